@@ -1,0 +1,44 @@
+"""The one mapping from errors to HTTP responses: always a JSON body with a human-readable `detail`."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.core.errors import TorchyardError
+
+log = logging.getLogger(__name__)
+
+
+def _describe(errors: list[dict]) -> str:
+    parts = []
+    for error in errors:
+        where = ".".join(str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path", "form"))
+        parts.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(TorchyardError)
+    async def torchyard_error(_: Request, exc: TorchyardError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
+        return JSONResponse({"detail": _describe(errors), "errors": errors}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(redis.RedisError)
+    async def redis_error(_: Request, exc: redis.RedisError) -> JSONResponse:
+        log.warning("Redis unavailable: %s", exc)
+        return JSONResponse({"detail": f"Redis is unavailable: {exc}"}, status_code=503)

@@ -1,0 +1,14 @@
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from app.api.deps import ServicesDep
+from app.core.schemas import DeviceList
+
+router = APIRouter(tags=["devices"])
+
+
+@router.get("/devices", response_model=DeviceList)
+def list_devices(services: ServicesDep) -> DeviceList:
+    """Every device a live worker holds, from heartbeats; recently seen ones as offline."""
+    return DeviceList(devices=services.devices.all())

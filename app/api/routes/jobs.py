@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.responses import FileResponse, StreamingResponse
+
+from app.api.deps import ServicesDep
+from app.api.sse import job_event_stream
+from app.core.errors import NotFound
+from app.core.schemas import Job, JobList, JobSpec, JobStatus
+from app.core.storage import CheckpointPaths
+
+router = APIRouter(tags=["jobs"])
+
+
+@router.post("/jobs", status_code=202, response_model=Job,
+             responses={200: {"description": "An earlier request with this Idempotency-Key", "model": Job}})
+def create_job(services: ServicesDep, spec: JobSpec, response: Response,
+               idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> Job:
+    job, created = services.training.submit(spec, idempotency_key)
+    response.status_code = 202 if created else 200
+    response.headers["Location"] = f"/jobs/{job.id}"
+    return job
+
+
+@router.get("/jobs", response_model=JobList)
+def list_jobs(services: ServicesDep, status: JobStatus | None = None,
+              limit: Annotated[int, Query(ge=1, le=500)] = 50, cursor: str | None = None) -> JobList:
+    return services.jobs.list(status, limit, cursor)
+
+
+@router.get("/jobs/{job_id}", response_model=Job)
+def get_job(services: ServicesDep, job_id: str) -> Job:
+    return services.jobs.get(job_id)
+
+
+@router.post("/jobs/{job_id}/cancel", status_code=202, response_model=Job)
+def cancel_job(services: ServicesDep, job_id: str) -> Job:
+    return services.jobs.request_cancel(job_id)
+
+
+@router.get("/jobs/{job_id}/events", response_class=StreamingResponse,
+            responses={200: {"content": {"text/event-stream": {}}}})
+def job_events(services: ServicesDep, job_id: str, request: Request,
+               last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
+    services.jobs.get(job_id)  # 404 before the stream starts
+    return StreamingResponse(job_event_stream(services.aredis, job_id, last_event_id, request),
+                             media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.get("/jobs/{job_id}/checkpoint", response_class=FileResponse,
+            responses={200: {"content": {"application/octet-stream": {}}}})
+def download_checkpoint(services: ServicesDep, job_id: str) -> FileResponse:
+    job = services.jobs.get(job_id)
+    path = CheckpointPaths(services.settings.checkpoints_dir).final(job_id)
+    if job.checkpoint is None or not path.exists():
+        raise NotFound(f"job {job_id} has no checkpoint (it is {job.status.value})")
+    return FileResponse(path, media_type="application/octet-stream", filename=f"{job.model}-{job_id}.pt",
+                        headers={"X-Checkpoint-SHA256": job.checkpoint.sha256})

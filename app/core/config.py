@@ -1,0 +1,92 @@
+"""The one settings object. Every process reads it once and passes it down."""
+
+from __future__ import annotations
+
+import socket
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """torchyard settings, from the environment (prefix ``TORCHYARD_``) or a ``.env`` file."""
+
+    model_config = SettingsConfigDict(env_prefix="TORCHYARD_", env_file=".env", extra="ignore", env_ignore_empty=True)
+
+    # --- where things live -------------------------------------------------------------
+    redis_url: str | None = Field(
+        default=None,
+        description="Broker, job store and result backend. Unset: the embedded Redis under data_dir.",
+    )
+    data_dir: Path = Field(default=Path("./var"), description="Datasets, checkpoints, embedded Redis files.")
+
+    # --- API ---------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_key: SecretStr | None = Field(default=None, description="When set, a bearer token every endpoint but /healthz needs.")
+
+    # --- workers and devices -----------------------------------------------------------
+    node_name: str = Field(default_factory=socket.gethostname, description="Host part of device ids and worker names.")
+    devices: str = Field(default="auto", description="`torchyard up`: 'auto', 'cpu' or GPU indices like '0,1'.")
+    host_gpu_index: int | None = Field(
+        default=None,
+        description="The host's index of this worker's GPU when a container runtime renumbered it to 0.",
+    )
+    heartbeat_interval_s: float = Field(default=1.0, gt=0, le=2.0)
+    heartbeat_ttl_s: float = Field(default=6.0, gt=0)
+    lease_ttl_s: float = Field(default=20.0, gt=0, description="A running job whose worker stops renewing is redelivered after this.")
+    max_attempts: int = Field(default=3, ge=1, description="Deliveries of a job before it fails for good.")
+
+    # --- training ------------------------------------------------------------------------
+    allow_download: bool = Field(default=False, description="Let torchvision download built-in datasets.")
+
+    # --- inference -----------------------------------------------------------------------
+    predict_timeout_s: float = Field(default=30.0, gt=0)
+    predict_max_batch: int = Field(default=32, ge=1)
+    predict_max_wait_ms: float = Field(default=2.0, ge=0)
+    model_cache_count: int = Field(default=8, ge=1)
+    model_cache_bytes: int = Field(default=2 * 1024**3, ge=1)
+
+    # --- limits on input -------------------------------------------------------------------
+    max_image_bytes: int = Field(default=10 * 1024**2, ge=1)
+    max_image_pixels: int = Field(default=40_000_000, ge=1)
+    max_images_per_request: int = Field(default=64, ge=1)
+    max_upload_bytes: int = Field(default=1024**3, ge=1)
+    max_zip_entries: int = Field(default=200_000, ge=1)
+    max_zip_uncompressed_bytes: int = Field(default=4 * 1024**3, ge=1)
+    max_zip_ratio: float = Field(default=200.0, gt=1)
+
+    # --- derived paths -------------------------------------------------------------------
+    @property
+    def datasets_dir(self) -> Path:
+        return self.data_dir / "datasets"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.data_dir / "checkpoints"
+
+    @property
+    def builtin_data_dir(self) -> Path:
+        """Where torchvision's built-in datasets are read from (and downloaded to, when allowed)."""
+        return self.data_dir / "builtin"
+
+    @property
+    def embedded_redis_dir(self) -> Path:
+        return self.data_dir / "redis"
+
+    @property
+    def embedded_redis_socket(self) -> Path:
+        return self.embedded_redis_dir / "redis.sock"
+
+    def resolved_redis_url(self) -> str:
+        """The configured Redis, or the embedded one that `torchyard up` runs under data_dir."""
+        if self.redis_url:
+            return self.redis_url
+        return f"unix://{self.embedded_redis_socket.resolve()}?db=0"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

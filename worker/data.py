@@ -1,0 +1,142 @@
+"""Datasets → uint8 tensors (N×C×H×W) and labels, at the architecture's channels and size.
+
+Whole datasets live in memory as uint8 (CIFAR-10 is 150 MB) so the trainer can put them on the
+device once and slice batches there: no DataLoader, no per-step decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from app.core.config import Settings
+from app.core.datasets import BUILTIN_TORCHVISION, DatasetRecord
+from app.core.storage import atomic_path
+from worker.preprocess import image_to_array
+
+log = logging.getLogger(__name__)
+
+FAKE_CLASSES = [f"pattern_{k}" for k in range(10)]
+FAKE_IMAGES = 2560
+FAKE_PATTERN_SEED = 1234
+
+
+class DatasetUnavailable(Exception):
+    """The dataset's files are not where they must be (and may not be downloaded)."""
+
+
+@dataclass
+class ImageTensors:
+    images: torch.Tensor  # uint8 N×C×H×W
+    labels: torch.Tensor  # int64 N
+    classes: list[str]
+
+
+# ---------------------------------------------------------------------------- fake
+def fake_class_patterns(channels: int, height: int, width: int, num_classes: int = 10) -> torch.Tensor:
+    """One fixed low-frequency colour pattern per class (float in [0, 1]), the same in every process."""
+    gen = torch.Generator().manual_seed(FAKE_PATTERN_SEED)
+    coarse = torch.rand(num_classes, channels, 4, 4, generator=gen)
+    return torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear", align_corners=False)
+
+
+def fake_images(labels: torch.Tensor, channels: int, height: int, width: int, *, seed: int,
+                noise: float = 0.2) -> torch.Tensor:
+    """Images drawn from their class's pattern plus Gaussian noise: learnable, not uniform noise."""
+    patterns = fake_class_patterns(channels, height, width)
+    gen = torch.Generator().manual_seed(seed)
+    noisy = patterns[labels] + noise * torch.randn(len(labels), channels, height, width, generator=gen)
+    return noisy.clamp_(0, 1).mul_(255).round_().to(torch.uint8)
+
+
+def load_fake(channels: int, height: int, width: int, seed: int = 0) -> ImageTensors:
+    labels = torch.arange(FAKE_IMAGES) % len(FAKE_CLASSES)
+    return ImageTensors(fake_images(labels, channels, height, width, seed=seed), labels, list(FAKE_CLASSES))
+
+
+# ---------------------------------------------------------------------------- torchvision built-ins
+def load_torchvision(name: str, root: Path, channels: int, height: int, width: int, *,
+                     download: bool) -> ImageTensors:
+    """Read a built-in through torchvision's own dataset class (its on-disk format, its checks)."""
+    import torchvision.datasets as tvd
+
+    cls = {"cifar10": tvd.CIFAR10, "mnist": tvd.MNIST, "fashion_mnist": tvd.FashionMNIST}[name]
+    try:
+        dataset = cls(root=str(root), train=True, download=download)
+    except Exception as exc:
+        where = BUILTIN_TORCHVISION[name].expected_files(root)
+        how = "downloading failed" if download else "downloading is off (TORCHYARD_ALLOW_DOWNLOAD=false)"
+        raise DatasetUnavailable(f"dataset {name} is not available: {exc}. Put its files at {where} "
+                                 f"({how}).") from exc
+    data = dataset.data if isinstance(dataset.data, np.ndarray) else dataset.data.numpy()
+    labels = torch.as_tensor(np.asarray(dataset.targets), dtype=torch.int64)
+    return ImageTensors(_arrays_to_tensor(data, channels, height, width), labels, list(dataset.classes))
+
+
+def _arrays_to_tensor(data: np.ndarray, channels: int, height: int, width: int) -> torch.Tensor:
+    """N×H×W(×C) uint8 → N×C×H×W at the target spec, through the same PIL transform as /predict."""
+    native_channels = 1 if data.ndim == 3 else data.shape[3]
+    if data.shape[1:3] == (height, width) and native_channels == channels:
+        chw = data[:, None] if data.ndim == 3 else data.transpose(0, 3, 1, 2)
+        return torch.from_numpy(np.ascontiguousarray(chw))
+    out = np.empty((len(data), channels, height, width), dtype=np.uint8)
+    for i, array in enumerate(data):
+        out[i] = image_to_array(Image.fromarray(array), channels, height, width)
+    return torch.from_numpy(out)
+
+
+# ---------------------------------------------------------------------------- uploaded image folders
+def load_image_folder(root: Path, channels: int, height: int, width: int) -> ImageTensors:
+    """Decode an extracted `<class>/<image>` folder once per input spec, cached beside it."""
+    cache = root.parent / f".{root.name}.cache" / f"{channels}x{height}x{width}.pt"
+    if cache.exists():
+        saved = torch.load(cache, weights_only=True)
+        return ImageTensors(saved["images"], saved["labels"], list(saved["classes"]))
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    arrays: list[np.ndarray] = []
+    labels: list[int] = []
+    for label, name in enumerate(classes):
+        for path in sorted((root / name).iterdir()):
+            try:
+                with Image.open(path) as image:
+                    arrays.append(image_to_array(image, channels, height, width))
+            except (OSError, ValueError, Image.DecompressionBombError) as exc:
+                log.warning("skipping unreadable image %s: %s", path, exc)
+                continue
+            labels.append(label)
+    if not arrays:
+        raise DatasetUnavailable(f"dataset at {root} holds no readable images")
+    tensors = ImageTensors(torch.from_numpy(np.stack(arrays)), torch.tensor(labels, dtype=torch.int64), classes)
+    with atomic_path(cache) as tmp:
+        torch.save({"images": tensors.images, "labels": tensors.labels, "classes": classes}, tmp)
+    return tensors
+
+
+def load_dataset(record: DatasetRecord, settings: Settings, channels: int, height: int, width: int, *,
+                 seed: int = 0) -> ImageTensors:
+    if record.kind == "fake":
+        return load_fake(channels, height, width, seed=seed)
+    if record.kind == "torchvision":
+        return load_torchvision(record.id, settings.builtin_data_dir, channels, height, width,
+                                download=settings.allow_download)
+    return load_image_folder(settings.datasets_dir / record.id, channels, height, width)
+
+
+def split(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded train/validation index split."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_val = int(round(n * val_fraction))
+    if val_fraction > 0 and n_val == 0 and n > 1:
+        n_val = 1
+    return order[n_val:], order[:n_val]
+
+
+def batches(n: int, batch_size: int) -> Iterable[tuple[int, int]]:
+    for start in range(0, n, batch_size):
+        yield start, min(start + batch_size, n)

@@ -1,0 +1,100 @@
+"""A worker process: one device, its heartbeat and inference threads, and a solo-pool Celery
+consumer for training jobs.
+
+Why the solo pool: a prefork pool forks children from a parent, and a parent that had touched
+CUDA cannot give its children a working CUDA ("Cannot re-initialize CUDA in forked
+subprocess"); a worker owns exactly one device and trains one job at a time anyway. The
+price, a worker that answers no Celery ping while it trains, is paid by the heartbeat thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass
+
+from app.core.config import Settings
+from app.core.datasets import DatasetCatalog
+from app.core.devices import DeviceRegistry
+from app.core.jobs import TRAIN_QUEUE, JobStore, queue_for_device
+from app.core.redis import connect
+from app.core.storage import CheckpointPaths
+from worker.device import WorkerDevice
+from worker.runner import JobRunner, WorkerState
+
+log = logging.getLogger(__name__)
+
+_current: WorkerRuntime | None = None
+
+
+def current_runtime() -> WorkerRuntime:
+    if _current is None:
+        raise RuntimeError("no worker runtime in this process (tasks run inside `torchyard worker`)")
+    return _current
+
+
+@dataclass
+class WorkerRuntime:
+    settings: Settings
+    device: WorkerDevice
+    runner: JobRunner
+
+    def queues(self) -> list[str]:
+        return [TRAIN_QUEUE, queue_for_device(self.device.kind), queue_for_device(self.device.id)]
+
+
+def run_worker(settings: Settings, device: WorkerDevice) -> int:
+    """Serve until SIGTERM/SIGINT; the job in hand is stopped at its next step and requeued."""
+    global _current
+    import torch  # after pinning: the caller set CUDA_VISIBLE_DEVICES before this import
+    from celery.signals import worker_shutting_down
+
+    from worker.celery_app import create_celery, dispatcher
+    from worker.device import check_cuda
+    from worker.heartbeat import Heartbeat
+    from worker.inference import InferenceServer, ModelCache
+
+    check_cuda(device)
+    client = connect(settings.resolved_redis_url())
+    celery = create_celery(settings, with_tasks=True)
+    store = JobStore(client, dispatcher(celery), lease_ttl_s=settings.lease_ttl_s,
+                     max_attempts=settings.max_attempts)
+    registry = DeviceRegistry(client, settings.heartbeat_ttl_s)
+    instance = secrets.token_hex(8)
+    registry.acquire(device.id, instance, holder_is_dead=lambda holder: _crashed_here(holder, device))
+
+    state = WorkerState()
+    cache = ModelCache(CheckpointPaths(settings.checkpoints_dir), device.torch_device,
+                       settings.model_cache_count, settings.model_cache_bytes)
+    inference = InferenceServer(client, device, cache, max_batch=settings.predict_max_batch,
+                                max_wait_ms=settings.predict_max_wait_ms, max_pixels=settings.max_image_pixels)
+    heartbeat = Heartbeat(device, instance, registry, store, state, cache.resident, settings.heartbeat_interval_s,
+                          extra=lambda: {"inference": inference.stats.as_dict()})
+    runner = JobRunner(settings, device, store, DatasetCatalog(client, settings), state)
+    _current = WorkerRuntime(settings, device, runner)
+
+    worker_shutting_down.connect(lambda **_: state.shutdown.set(), weak=False)
+    heartbeat.beat()
+    heartbeat.start()
+    inference.start()
+    log.info("worker %s on %s (torch %s, CUDA_VISIBLE_DEVICES=%r)", device.worker_name, device.id,
+             torch.__version__, __import__("os").environ.get("CUDA_VISIBLE_DEVICES"))
+    worker = celery.Worker(hostname=device.worker_name, pool="solo", concurrency=1,
+                           queues=_current.queues(), without_gossip=True, without_mingle=True,
+                           optimization="fair", loglevel="INFO")
+    try:
+        worker.start()
+    finally:
+        state.shutdown.set()
+        inference.stop()
+        heartbeat.stop()
+        _current = None
+    return worker.exitcode or 0
+
+
+def _crashed_here(holder: dict, device: WorkerDevice) -> bool:
+    """The holder was a worker for this device on this host whose process no longer exists."""
+    import psutil
+
+    pid = holder.get("pid")
+    return holder.get("worker") == device.worker_name and isinstance(pid, int) and not psutil.pid_exists(pid)

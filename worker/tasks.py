@@ -1,0 +1,13 @@
+"""Celery tasks: thin entry points into the worker runtime."""
+
+from __future__ import annotations
+
+from celery import shared_task
+
+from worker.celery_app import TRAIN_TASK
+from worker.runtime import current_runtime
+
+
+@shared_task(name=TRAIN_TASK, ignore_result=True)
+def train(job_id: str, token: str) -> None:
+    current_runtime().runner.run(job_id, token)
