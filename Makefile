@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test setup fuzz bench-train bench-predict gpu-smoke clean
+.PHONY: run test setup browser fuzz bench-train bench-predict gpu-smoke clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -12,13 +12,25 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The dashboard's browser test drives Debian's Chromium, never a browser Playwright downloads.
+# Skipped when /usr/bin/chromium is there; harmless without apt or root (that one test then skips).
+browser:
+	@test -x /usr/bin/chromium || ! command -v apt-get >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "chromium could not be installed: the dashboard's browser test will skip"
+
+setup: $(STAMP) browser
 
 run: $(STAMP)
 	$(BIN)/torchyard up
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# A longer, randomised property-based pass over the whole API (tests/e2e/test_fuzz.py): no 5xx.
+FUZZ_EXAMPLES ?= 300
+fuzz: $(STAMP)
+	TORCHYARD_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) TORCHYARD_FUZZ_RANDOM=1 $(BIN)/python -m pytest tests/e2e/test_fuzz.py -q --timeout=0 $(PYTEST_ARGS)
 
 bench-train: $(STAMP)
 	$(BIN)/python bench/train.py

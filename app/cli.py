@@ -1,10 +1,11 @@
-"""`torchyard up | api | worker`. Imports stay light here: a worker must pin its device
-before anything imports torch."""
+"""`torchyard up | api | worker`, plus the client commands of app/client_cli.py. Imports stay
+light here: a worker must pin its device before anything imports torch."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from app.core.config import Settings
@@ -24,17 +25,24 @@ def _api(settings: Settings, _: argparse.Namespace) -> int:
     from app.main import create_app
 
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
-                timeout_graceful_shutdown=5)
+                access_log=settings.access_log, timeout_graceful_shutdown=5)
     return 0
 
 
 def _worker(settings: Settings, args: argparse.Namespace) -> int:
     from app.core.errors import DeviceInUse
-    from worker.device import DeviceChoice, PinningError, pin_process, resolve_worker_device
+    from worker.device import DeviceChoice, PinningError, exec_pinned, is_pinned, resolve_worker_device
 
+    # OpenMP threads that sleep when idle instead of spinning: a worker shares its CPUs with the
+    # API and Redis (and on a CPU device its inference thread shares them with training); spinning
+    # made /predict ~10x slower on a 2-core host. Set it before torch loads libgomp; env overrides.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         choice = DeviceChoice.parse(args.device)
-        pin_process(choice)  # before torch is imported below
+        if not is_pinned(args.device, os.environ):
+            # Same pid, a fresh interpreter whose environment starts pinned: CUDA_VISIBLE_DEVICES and
+            # CUDA_DEVICE_ORDER are in place before anything can import torch. Does not return.
+            exec_pinned(args.device, choice)
         device = resolve_worker_device(choice, settings.node_name, settings.host_gpu_index)
         from worker.runtime import run_worker
 
@@ -52,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="one worker pinned to one device")
     worker.add_argument("--device", required=True, help="GPU index (0, 1, ...) or 'cpu'")
     worker.set_defaults(run=_worker)
+    from app.client_cli import add_client_commands  # stdlib only at import; httpx loads in the handlers
+
+    add_client_commands(sub)
     return parser
 
 

@@ -25,6 +25,10 @@ def create_celery(settings: Settings, *, with_tasks: bool = False) -> Celery:
         # ever does restore a message, its stale delivery token makes the worker drop it.
         broker_transport_options={"visibility_timeout": 7 * 24 * 3600},
         broker_connection_retry_on_startup=True,
+        # Never give up on the broker: a restarted Redis (embedded, AOF) comes back on the same URL,
+        # and the consumer must resume by itself rather than exit after 100 tries.
+        broker_connection_retry=True,
+        broker_connection_max_retries=None,
         task_default_queue="train",
         worker_hijack_root_logger=False,
         worker_send_task_events=False,

@@ -32,6 +32,13 @@ class Preprocessing:
     std: tuple[float, ...]
 
 
+# The eval transform of training and of /predict (worker/preprocess.py), spelled out in every
+# checkpoint so a user can reproduce a prediction with PIL and numpy alone.
+TRANSFORM = ("PIL.Image.open → first frame (GIF/WebP) → convert('L' if channels == 1 else 'RGB') → "
+             "resize((width, height), BILINEAR) unless already that size → uint8 array H×W×C → C×H×W → "
+             "float32 / 255 → (x - mean[c]) / std[c] per channel; no crop, no flip")
+
+
 @dataclass(frozen=True)
 class ModelMeta:
     architecture: str
@@ -44,6 +51,7 @@ class ModelMeta:
         data = asdict(self)
         data["preprocessing"]["mean"] = list(self.preprocessing.mean)
         data["preprocessing"]["std"] = list(self.preprocessing.std)
+        data["preprocessing"]["transform"] = TRANSFORM  # for people reproducing it; not read back
         return data
 
     @classmethod

@@ -61,12 +61,30 @@ def load_fake(channels: int, height: int, width: int, seed: int = 0) -> ImageTen
 
 
 # ---------------------------------------------------------------------------- torchvision built-ins
-def load_torchvision(name: str, root: Path, channels: int, height: int, width: int, *,
-                     download: bool) -> ImageTensors:
-    """Read a built-in through torchvision's own dataset class (its on-disk format, its checks)."""
+def _torchvision_class(name: str, verify_checksums: bool) -> type:
+    """torchvision's own class for a built-in. CIFAR10 checks each file's md5 against the
+    official archive's; with `verify_checksums` off we use a subclass whose file lists carry no
+    md5, so torchvision still checks every file is present and reads them with its own code
+    (a re-packed or test copy in the same format). MNIST's classes only check presence anyway."""
     import torchvision.datasets as tvd
 
-    cls = {"cifar10": tvd.CIFAR10, "mnist": tvd.MNIST, "fashion_mnist": tvd.FashionMNIST}[name]
+    if name == "cifar10":
+        if verify_checksums:
+            return tvd.CIFAR10
+
+        class UnverifiedCIFAR10(tvd.CIFAR10):
+            train_list = [[file, None] for file, _ in tvd.CIFAR10.train_list]
+            test_list = [[file, None] for file, _ in tvd.CIFAR10.test_list]
+            meta = {**tvd.CIFAR10.meta, "md5": None}
+
+        return UnverifiedCIFAR10
+    return {"mnist": tvd.MNIST, "fashion_mnist": tvd.FashionMNIST}[name]
+
+
+def load_torchvision(name: str, root: Path, channels: int, height: int, width: int, *,
+                     download: bool, verify_checksums: bool = True) -> ImageTensors:
+    """Read a built-in's training split through torchvision's dataset class (its format, its checks)."""
+    cls = _torchvision_class(name, verify_checksums)
     try:
         dataset = cls(root=str(root), train=True, download=download)
     except Exception as exc:
@@ -124,7 +142,8 @@ def load_dataset(record: DatasetRecord, settings: Settings, channels: int, heigh
         return load_fake(channels, height, width, seed=seed)
     if record.kind == "torchvision":
         return load_torchvision(record.id, settings.builtin_data_dir, channels, height, width,
-                                download=settings.allow_download)
+                                download=settings.allow_download,
+                                verify_checksums=settings.verify_builtin_checksums)
     return load_image_folder(settings.datasets_dir / record.id, channels, height, width)
 
 

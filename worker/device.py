@@ -1,16 +1,20 @@
 """Pinning a worker to one device, and describing that device.
 
-`pin_process` must run before torch initialises CUDA: CUDA reads CUDA_VISIBLE_DEVICES once,
+The pin must be in place before torch initialises CUDA: CUDA reads CUDA_VISIBLE_DEVICES once,
 at initialisation, and renumbers the visible GPUs from 0. After pinning, GPU N of the host is
 `cuda:0` in this process, exactly as the tutorials' `CUDA_VISIBLE_DEVICES=1 python train.py`.
+`torchyard worker` pins with `exec_pinned` (a fresh interpreter started with the pin);
+`pin_process` does the same in-process, for code that embeds a worker.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 class PinningError(RuntimeError):
@@ -33,25 +37,53 @@ class DeviceChoice:
         raise PinningError(f"--device takes a GPU index (0, 1, ...) or 'cpu', not {value!r}")
 
 
+PINNED_MARKER = "TORCHYARD_PINNED"
+
+
+def pinned_environment(choice: DeviceChoice, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment variables that pin a process to `choice`, given what it may already see."""
+    if choice.kind == "cpu":
+        visible = ""
+    else:
+        visible = _visible_entry(choice.local_index, environ.get("CUDA_VISIBLE_DEVICES"))
+    return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible}
+
+
+def is_pinned(device_arg: str, environ: Mapping[str, str]) -> bool:
+    """True in the process `exec_pinned` started: its environment is already the pinned one."""
+    return environ.get(PINNED_MARKER) == f"{device_arg}:{environ.get('CUDA_VISIBLE_DEVICES')}"
+
+
 def pin_process(choice: DeviceChoice) -> None:
     """Restrict this process to its one device through the environment, before CUDA starts."""
     torch_mod = sys.modules.get("torch")
     if torch_mod is not None and torch_mod.cuda.is_initialized():
         raise PinningError("CUDA was initialised before the worker pinned its device; "
                            "CUDA_VISIBLE_DEVICES would be ignored. Start the worker in a fresh process.")
-    os.environ["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-    if choice.kind == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    else:
-        os.environ["CUDA_VISIBLE_DEVICES"] = _visible_entry(choice.local_index)
+    os.environ.update(pinned_environment(choice, os.environ))
 
 
-def _visible_entry(index: int | None) -> str:
+def exec_pinned(device_arg: str, choice: DeviceChoice) -> None:
+    """Replace this process (same pid) by a fresh interpreter that starts with the pinned environment.
+
+    Setting os.environ in a running process is enough for CUDA, but it is invisible from outside:
+    /proc/<pid>/environ and `ps e` show the environment a process was started with. Exec'ing makes the pin a fact anyone can check, and guarantees nothing in this process
+    touched CUDA first. The marker stops the new process from pinning (and exec'ing) again."""
+    env = {**os.environ, **pinned_environment(choice, os.environ)}
+    env[PINNED_MARKER] = f"{device_arg}:{env['CUDA_VISIBLE_DEVICES']}"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "app.cli", "worker", "--device", device_arg], env)
+
+
+def _visible_entry(index: int | None, outer: str | None) -> str:
     """Index N within what this process may already see (a container or an outer CUDA_VISIBLE_DEVICES)."""
-    outer = os.environ.get("CUDA_VISIBLE_DEVICES")
     if outer:
         entries = [e.strip() for e in outer.split(",") if e.strip()]
-        if index is not None and index < len(entries):
+        if index is not None and index >= len(entries):
+            raise PinningError(f"--device {index}: CUDA_VISIBLE_DEVICES={outer!r} shows this process only "
+                               f"{len(entries)} GPU(s), numbered from 0")
+        if index is not None:
             return entries[index]
     return str(index)
 
@@ -77,13 +109,23 @@ class WorkerDevice:
         return "cpu" if self.kind == "cpu" else "cuda:0"
 
 
-def resolve_worker_device(choice: DeviceChoice, node: str, host_gpu_index: int | None) -> WorkerDevice:
-    """The physical index: a setting when a container renumbered the GPU, else what we pinned."""
+def resolve_worker_device(choice: DeviceChoice, node: str, host_gpu_index: int | None,
+                          environ: Mapping[str, str] | None = None) -> WorkerDevice:
+    """The physical (host) index of the pinned GPU, which names the device and the worker.
+
+    In order: TORCHYARD_HOST_GPU_INDEX (a container runtime renumbered the GPU to 0); else a single
+    integer in NVIDIA_VISIBLE_DEVICES for `--device 0` (how the NVIDIA runtime was told which host
+    GPU to show, e.g. `docker run -e NVIDIA_VISIBLE_DEVICES=2`); else the pinned
+    CUDA_VISIBLE_DEVICES entry; else the `--device` index itself."""
+    environ = os.environ if environ is None else environ
     if choice.kind == "cpu":
         return WorkerDevice("cpu", None, node)
     if host_gpu_index is not None:
         return WorkerDevice("cuda", host_gpu_index, node)
-    pinned = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    nvidia = environ.get("NVIDIA_VISIBLE_DEVICES", "").strip()
+    if choice.local_index == 0 and nvidia.isdigit():
+        return WorkerDevice("cuda", int(nvidia), node)
+    pinned = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
     index = int(pinned) if pinned.isdigit() else choice.local_index
     return WorkerDevice("cuda", index, node)
 
@@ -94,9 +136,10 @@ def check_cuda(device: WorkerDevice) -> None:
 
     if device.kind == "cuda" and not torch.cuda.is_available():
         raise PinningError(
-            f"--device {device.index}: no CUDA device is visible with CUDA_VISIBLE_DEVICES="
+            f"GPU worker for GPU {device.index}: no CUDA device is visible with CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r} (torch {torch.__version__}, "
-            f"CUDA build {torch.version.cuda}). Use --device cpu on a machine without GPUs.")
+            f"CUDA build {torch.version.cuda}); refusing to fall back to the CPU. "
+            f"Use --device cpu on a machine without GPUs.")
 
 
 def describe(device: WorkerDevice) -> dict:
@@ -115,21 +158,33 @@ def describe(device: WorkerDevice) -> dict:
             "memory_used_bytes": total - free, "utilization_percent": _nvml_utilization()}
 
 
+_nvml_handle: Any = None
+_nvml_failed = False
+
+
 def _nvml_utilization() -> float | None:
-    try:
-        import pynvml  # nvidia-ml-py, optional
-    except ImportError:
+    """GPU utilisation from NVML (the optional `gpu` extra, nvidia-ml-py); None where unavailable.
+
+    NVML numbers GPUs its own way, so the handle is found by the UUID torch reports for cuda:0,
+    looked up once per process."""
+    global _nvml_handle, _nvml_failed
+    if _nvml_failed:
         return None
     try:
-        pynvml.nvmlInit()
-        uuid = None
-        import torch
+        import pynvml  # nvidia-ml-py, optional
 
-        props = torch.cuda.get_device_properties(0)
-        uuid = getattr(props, "uuid", None)
-        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}") if uuid else pynvml.nvmlDeviceGetHandleByIndex(0)
-        return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-    except Exception:
+        if _nvml_handle is None:
+            import torch
+
+            pynvml.nvmlInit()
+            uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "") or "")
+            if uuid:
+                _nvml_handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            else:
+                _nvml_handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        return float(pynvml.nvmlDeviceGetUtilizationRates(_nvml_handle).gpu)
+    except Exception:  # no pynvml, no driver library, MIG, ...: utilisation is simply unknown
+        _nvml_failed = True
         return None
 
 

@@ -36,19 +36,30 @@ class Heartbeat(threading.Thread):
         self.loaded_models = loaded_models
         self.interval_s = interval_s
         self.extra = extra
-        self._stop = threading.Event()
+        self._halt = threading.Event()
         self._last_sweep = 0.0
+        self._last_info: dict = {"name": device.worker_name, "memory_total_bytes": None,
+                                 "memory_used_bytes": None, "utilization_percent": None}
 
     def snapshot(self, status: str | None = None) -> dict:
         job = self.state.current_job
         return {
             "id": self.device.id, "type": self.device.kind, "index": self.device.index,
-            **describe(self.device),
+            **self._describe(),
             "worker": self.device.worker_name, "status": status or ("busy" if job else "idle"),
             "current_job": job, "loaded_models": self.loaded_models(), "last_heartbeat": utc_now(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
             **self.extra(),
         }
+
+    def _describe(self) -> dict:
+        """Live device info; if reading it fails once, the last good reading, so the worker still
+        reports alive (a liveness signal must not depend on NVML or a CUDA query)."""
+        try:
+            self._last_info = describe(self.device)
+        except Exception:
+            log.warning("could not read %s's live info; reporting the last reading", self.device.id, exc_info=True)
+        return self._last_info
 
     def beat(self) -> None:
         if not self.registry.publish(self.device.id, self.instance, self.snapshot()):
@@ -62,15 +73,15 @@ class Heartbeat(threading.Thread):
                 log.warning("job %s: its worker stopped renewing the lease; redelivered", job_id)
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             try:
                 self.beat()
             except Exception:  # Redis restarting: keep beating, redis-py reconnects
                 log.warning("heartbeat failed; retrying", exc_info=True)
-            self._stop.wait(self.interval_s)
+            self._halt.wait(self.interval_s)
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=5)
         try:
             self.registry.release(self.device.id, self.instance, self.snapshot(status="offline"))

@@ -3,20 +3,33 @@
 Inference has its own consumer, a Redis list per device, read by a thread of the worker, so a
 device that is training still answers: the training task holds Celery's only slot, and on a
 GPU inference runs on a separate CUDA stream, so it waits for at most the kernels already
-queued, not for the job. Requests that arrive within `max_wait_ms` of the first one, for the
-same model, run as one batch.
+queued, not for the job.
+
+Batching: requests for the same model that arrive within `max_wait_ms` of the first one (timed
+from when the API queued it) run as one batch of at most `max_batch` images. The window is only
+opened when traffic says it can fill: a lone request on a quiet device (the previous batch held
+one image and the previous request came more than `max_wait_ms` earlier) runs at once, since
+waiting would only add latency. Under load, requests also pile up while a batch computes and the
+next batch takes them all.
+
+Wire format, both ways JSON on Redis lists. Request (API → `ty:predict:<device id>`):
+`{"job_id", "top_k", "reply_to", "t": queued at (epoch s), "deadline": epoch s, "images":
+[{"filename", "data": base64}]}`. Reply (worker → `reply_to`, TTL 60 s): `"<status> <json body>"`,
+the body of a 200 being the PredictResponse itself, so the API passes it through untouched.
 """
 
 from __future__ import annotations
 
 import base64
+import gc
 import io
 import json
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +48,15 @@ log = logging.getLogger(__name__)
 
 REPLY_TTL_S = 60
 POLL_S = 0.0002
+PIL_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "MPO")  # MPO: multi-picture JPEG from cameras
 
 
 class BadImage(Exception):
-    pass
+    """An upload the worker cannot turn into an input: 415, or 413 when it is too many pixels."""
+
+    def __init__(self, detail: str, status: int = 415) -> None:
+        super().__init__(detail)
+        self.status = status
 
 
 @dataclass
@@ -52,16 +70,22 @@ class ResidentModel:
 
 
 class ModelCache:
-    """Checkpoints resident on the device, least recently used evicted past count or bytes."""
+    """Checkpoints resident on the device, least recently used evicted past count or bytes.
 
-    def __init__(self, paths: CheckpointPaths, device: str, max_count: int, max_bytes: int) -> None:
+    A checkpoint file that changed (a job's model.pt rewritten) is noticed by its (mtime, size)
+    signature on the next request and loaded again. Counters are published in the heartbeat
+    (`inference.cache` in GET /devices) so loads, reloads and evictions can be observed."""
+
+    def __init__(self, paths: CheckpointPaths, device: str | torch.device, max_count: int, max_bytes: int) -> None:
         self.paths = paths
         self.device = device
         self.max_count = max_count
         self.max_bytes = max_bytes
         self._models: OrderedDict[str, ResidentModel] = OrderedDict()
         self._lock = threading.Lock()
+        self.hits = 0
         self.loads = 0
+        self.reloads = 0
         self.evictions = 0
 
     def get(self, job_id: str) -> ResidentModel:
@@ -75,19 +99,24 @@ class ModelCache:
             entry = self._models.get(job_id)
             if entry is not None and entry.signature == signature:
                 self._models.move_to_end(job_id)
+                self.hits += 1
                 return entry
+        stale = entry is not None
         entry = self._load(path, signature)
         with self._lock:
             self._models[job_id] = entry
             self._models.move_to_end(job_id)
+            self.loads += 1
+            self.reloads += stale
             self._evict()
+        log.info("%s model of job %s (%s, %.1f MB) onto %s", "reloaded changed" if stale else "loaded",
+                 job_id, entry.meta.architecture, entry.nbytes / 1e6, self.device)
         return entry
 
     def _load(self, path: Path, signature: tuple[int, int]) -> ResidentModel:
         model, meta = load_model(path, self.device)  # torch.load(weights_only=True, map_location=device)
         mean, std = stats_tensors(meta.preprocessing, self.device)
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        self.loads += 1
         return ResidentModel(model, meta, mean, std, signature, nbytes)
 
     def _evict(self) -> None:
@@ -102,42 +131,59 @@ class ModelCache:
         with self._lock:
             return list(self._models)
 
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"resident": len(self._models), "resident_bytes": sum(m.nbytes for m in self._models.values()),
+                    "max_count": self.max_count, "max_bytes": self.max_bytes, "hits": self.hits,
+                    "loads": self.loads, "reloads": self.reloads, "evictions": self.evictions}
 
-@dataclass
-class BatchStats:
-    batches: int = 0
-    images: int = 0
-    max_batch: int = 0
-    histogram: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+
+class InferenceStats:
+    """Batches served, for the heartbeat (GET /devices → device.inference) and /metrics."""
+
+    def __init__(self, cache: ModelCache) -> None:
+        self.cache = cache
+        self._lock = threading.Lock()
+        self.batches = 0
+        self.images = 0
+        self.max_batch = 0
+        self.errors = 0
+        self.histogram: dict[int, int] = defaultdict(int)
 
     def record(self, size: int) -> None:
-        self.batches += 1
-        self.images += size
-        self.max_batch = max(self.max_batch, size)
-        self.histogram[size] += 1
+        with self._lock:
+            self.batches += 1
+            self.images += size
+            self.max_batch = max(self.max_batch, size)
+            self.histogram[size] += 1
 
     def as_dict(self) -> dict[str, Any]:
-        return {"batches": self.batches, "images": self.images, "max_batch": self.max_batch,
-                "batch_size_histogram": {str(k): v for k, v in sorted(self.histogram.items())}}
+        with self._lock:
+            return {"batches": self.batches, "images": self.images, "max_batch": self.max_batch,
+                    "errors": self.errors,
+                    "batch_size_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
+                    "cache": self.cache.stats()}
 
 
 def decode_image(data: bytes, meta: ModelMeta, max_pixels: int) -> np.ndarray:
     """Bytes → C×H×W uint8 with the model's recorded preprocessing; any failure is a BadImage."""
     pre = meta.preprocessing
     try:
-        with Image.open(io.BytesIO(data)) as image:
+        with Image.open(io.BytesIO(data), formats=PIL_FORMATS) as image:
             if image.width * image.height > max_pixels:
-                raise BadImage(f"image has {image.width * image.height} pixels, over the limit of {max_pixels}")
+                raise BadImage(f"image has {image.width * image.height} pixels, over the limit of {max_pixels}", 413)
             return image_to_array(image, pre.channels, pre.height, pre.width)
     except BadImage:
         raise
-    except Exception as exc:  # truncated, not an image, decompression bomb, ...
+    except Image.DecompressionBombError as exc:
+        raise BadImage(str(exc), 413) from exc
+    except Exception as exc:  # truncated, not an image, corrupt palette, ...
         raise BadImage(f"cannot decode image: {exc}") from exc
 
 
 class InferenceServer(threading.Thread):
     def __init__(self, client: redis.Redis, device: WorkerDevice, cache: ModelCache, *, max_batch: int,
-                 max_wait_ms: float, max_pixels: int) -> None:
+                 max_wait_ms: float, max_pixels: int, cpu_threads: int | None = None) -> None:
         super().__init__(name="torchyard-inference", daemon=True)
         self.redis = client
         self.device = device
@@ -145,50 +191,85 @@ class InferenceServer(threading.Thread):
         self.max_batch = max_batch
         self.max_wait_s = max_wait_ms / 1000
         self.max_pixels = max_pixels
+        self.cpu_threads = cpu_threads or max(1, (os.cpu_count() or 1) // 2)
+        if device.kind == "cpu":
+            # Pin the calling (main, training) thread's own OpenMP thread count now: torch gives a
+            # thread that has not run a parallel op yet the count last set by *any* thread, and the
+            # inference thread is about to set a smaller one for itself.
+            torch.get_num_threads()
         self.queue = predict_queue(device.id)
-        self.stats = BatchStats()
-        self._stop = threading.Event()
+        self.stats = InferenceStats(cache)
+        self._halt = threading.Event()
         self._stream = None
+        self._last_arrival = 0.0  # when the API queued the latest request seen (epoch s)
+        self._last_batch = 0  # images in the latest batch collected
 
     def run(self) -> None:
+        # The worker's imports, Celery and torch state live as long as the process: keep them out
+        # of the collector's full passes, which scanned them all and stalled a batch ~200 ms each.
+        gc.freeze()
         if self.device.kind == "cuda":
             self._stream = torch.cuda.Stream()
-        while not self._stop.is_set():
+        else:
+            # On a CPU device, inference ops run on part of the cores and leave the rest to the API,
+            # Redis and training: small batches gain little from more threads, and threads that
+            # must meet at every op stall whenever one of them is preempted.
+            torch.set_num_threads(self.cpu_threads)
+        while not self._halt.is_set():
             try:
                 requests = self._collect()
                 if requests:
                     self._serve(requests)
             except redis.RedisError:
                 log.warning("inference: Redis unavailable; retrying", exc_info=True)
-                self._stop.wait(0.5)
+                self._halt.wait(0.5)
             except Exception:
                 log.exception("inference loop error")
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     # ------------------------------------------------------------------ batching
     def _collect(self) -> list[dict[str, Any]]:
-        """Block for a first request, then gather more until the batch is full or max_wait passed."""
+        """Block for a first request, take what is queued, then maybe wait out the batching window."""
         first = self.redis.blpop([self.queue], timeout=1)
         if first is None:
             return []
-        requests = [json.loads(first[1])]
-        images = len(requests[0]["images"])
-        deadline = time.monotonic() + self.max_wait_s
-        while images < self.max_batch:
-            more = self.redis.lpop(self.queue, self.max_batch)
-            if more:
-                for raw in more:
-                    requests.append(json.loads(raw))
-                    images += len(requests[-1]["images"])
-                continue
+        requests: list[dict[str, Any]] = []
+        images = self._add(requests, [first[1]])
+        if not requests:
+            return []
+        if images < self.max_batch:
+            images += self._add(requests, self.redis.lpop(self.queue, self.max_batch) or [])
+        if images < self.max_batch and self._worth_waiting(requests):
+            # The window is timed from when the API queued the first request, not from now.
+            remaining = requests[0].get("t", time.time()) + self.max_wait_s - time.time()
+            deadline = time.monotonic() + min(max(remaining, 0.0), self.max_wait_s)
             # Poll rather than BLPOP: Redis enforces blocking timeouts only every 1/hz (100 ms by
             # default), far coarser than a batching window of a few milliseconds.
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(POLL_S)
+            while images < self.max_batch and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+                images += self._add(requests, self.redis.lpop(self.queue, self.max_batch) or [])
+        self._last_batch = images
+        self._last_arrival = max(r.get("t", 0.0) for r in requests)
         return requests
+
+    def _worth_waiting(self, requests: list[dict[str, Any]]) -> bool:
+        if len(requests) > 1 or self._last_batch > 1:
+            return True
+        return requests[0].get("t", 0.0) - self._last_arrival < self.max_wait_s
+
+    def _add(self, requests: list[dict[str, Any]], raw: list[str]) -> int:
+        images = 0
+        for item in raw:
+            try:
+                request = json.loads(item)
+                images += len(request["images"])
+            except (ValueError, KeyError, TypeError):
+                log.warning("dropped a malformed prediction request: %.200r", item)
+                continue
+            requests.append(request)
+        return images
 
     def _serve(self, requests: list[dict[str, Any]]) -> None:
         now = time.time()
@@ -198,55 +279,70 @@ class InferenceServer(threading.Thread):
                 continue  # the caller has given up already
             by_job[request["job_id"]].append(request)
         for job_id, group in by_job.items():
-            self._serve_model(job_id, group)
+            try:
+                self._serve_model(job_id, group)
+            except Exception as exc:  # a failure answers its callers and never stops the thread
+                self.stats.errors += 1
+                log.exception("inference for job %s failed", job_id)
+                for request in group:
+                    self._reply_error(request, 503, f"inference failed on {self.device.id}: {exc}")
 
     def _serve_model(self, job_id: str, group: list[dict[str, Any]]) -> None:
         try:
             entry = self.cache.get(job_id)
         except CheckpointError as exc:
             for request in group:
-                self._reply(request, {"ok": False, "status": 409, "detail": str(exc)})
+                self._reply_error(request, 409, str(exc))
             return
         arrays: list[np.ndarray] = []
-        owners: list[tuple[dict[str, Any], int, int]] = []  # request, first index, count
+        owners: list[tuple[dict[str, Any], int]] = []  # request, index of its first image
         for request in group:
-            try:
-                decoded = [decode_image(base64.b64decode(img["data"]), entry.meta, self.max_pixels)
-                           for img in request["images"]]
-            except BadImage as exc:
-                self._reply(request, {"ok": False, "status": 415, "detail": str(exc)})
-                continue
-            owners.append((request, len(arrays), len(decoded)))
-            arrays.extend(decoded)
+            decoded = []
+            for image in request["images"]:
+                try:
+                    decoded.append(decode_image(base64.b64decode(image["data"]), entry.meta, self.max_pixels))
+                except BadImage as exc:  # the whole request is refused, naming the file at fault
+                    self._reply_error(request, exc.status, f"{image.get('filename') or 'image'}: {exc}")
+                    break
+            else:
+                owners.append((request, len(arrays)))
+                arrays.extend(decoded)
         if not arrays:
             return
-        probabilities = self._forward(entry, arrays)
-        self.stats.record(len(arrays))
-        for request, begin, count in owners:
+        probabilities = torch.cat([self._forward(entry, arrays[i:i + self.max_batch])
+                                   for i in range(0, len(arrays), self.max_batch)])
+        classes = entry.meta.classes
+        pipe = self.redis.pipeline(transaction=False)
+        for request, begin in owners:
             top_k = max(1, min(int(request.get("top_k", 5)), entry.meta.num_classes))
-            results = []
-            for offset, image in enumerate(request["images"]):
-                probs, indices = probabilities[begin + offset].topk(top_k)
-                results.append({"filename": image.get("filename"), "predictions": [
-                    {"label": entry.meta.classes[i], "index": i, "probability": p}
-                    for p, i in zip(probs.tolist(), indices.tolist(), strict=True)]})
-            self._reply(request, {"ok": True, "job_id": job_id, "model": entry.meta.architecture,
-                                  "device": self.device.id, "results": results})
+            values, indices = probabilities[begin:begin + len(request["images"])].topk(top_k, dim=1)
+            results = [{"filename": image.get("filename"), "predictions": [
+                {"label": classes[i], "index": i, "probability": p} for p, i in zip(ps, ix, strict=True)]}
+                for image, ps, ix in zip(request["images"], values.tolist(), indices.tolist(), strict=True)]
+            body = {"job_id": job_id, "model": entry.meta.architecture, "device": self.device.id, "results": results}
+            self._queue_reply(pipe, request, 200, body)
+        pipe.execute()
 
     def _forward(self, entry: ResidentModel, arrays: list[np.ndarray]) -> torch.Tensor:
         batch = torch.from_numpy(np.stack(arrays))
         with torch.inference_mode():
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    x = normalize(batch.pin_memory().to(self.device.torch_device, non_blocking=True), entry.mean, entry.std)
+                    x = normalize(batch.pin_memory().to(self.device.torch_device, non_blocking=True),
+                                  entry.mean, entry.std)
                     out = torch.softmax(entry.model(x).float(), dim=1).cpu()
             else:
                 x = normalize(batch, entry.mean, entry.std)
                 out = torch.softmax(entry.model(x).float(), dim=1)
+        self.stats.record(len(arrays))
         return out
 
-    def _reply(self, request: dict[str, Any], body: dict[str, Any]) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.rpush(request["reply_to"], json.dumps(body))
+    @staticmethod
+    def _queue_reply(pipe: Any, request: dict[str, Any], status: int, body: dict[str, Any]) -> None:
+        pipe.rpush(request["reply_to"], f"{status} {json.dumps(body)}")
         pipe.expire(request["reply_to"], REPLY_TTL_S)
+
+    def _reply_error(self, request: dict[str, Any], status: int, detail: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        self._queue_reply(pipe, request, status, {"detail": detail})
         pipe.execute()

@@ -23,6 +23,7 @@ from worker.trainer import NonFiniteLoss, StopTraining, Trainer, plan_training
 log = logging.getLogger(__name__)
 
 
+
 @dataclass
 class WorkerState:
     """What the heartbeat publishes and the loop consults; shared across the worker's threads."""
@@ -40,6 +41,9 @@ class StoreReporter:
 
     def progress(self, progress: Progress) -> None:
         self.store.update_progress(self.job_id, progress)
+
+    def resumed(self, epoch: int) -> None:
+        self.store.set_resumed(self.job_id, epoch)
 
     def epoch(self, metrics: EpochMetrics) -> None:
         self.store.record_epoch(self.job_id, metrics)
@@ -110,6 +114,8 @@ class JobRunner:
             return "shutdown"
         if self.state.lease_lost.is_set():
             return "lease_lost"
+        # The contract: the cancel flag in Redis is checked every step (one HEXISTS, ~0.1 ms;
+        # a GPU step runs ahead asynchronously, so the round trip overlaps its kernels).
         if self.store.cancel_requested(job_id):
             return "cancelled"
         return None

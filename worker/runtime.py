@@ -1,10 +1,18 @@
 """A worker process: one device, its heartbeat and inference threads, and a solo-pool Celery
 consumer for training jobs.
 
-Why the solo pool: a prefork pool forks children from a parent, and a parent that had touched
-CUDA cannot give its children a working CUDA ("Cannot re-initialize CUDA in forked
-subprocess"); a worker owns exactly one device and trains one job at a time anyway. The
-price, a worker that answers no Celery ping while it trains, is paid by the heartbeat thread.
+Why the solo pool. The task runs in this process, on its main thread, in the same CUDA context
+as the inference thread: one context per GPU (each costs hundreds of MiB), and models resident
+for /predict stay shared. A prefork pool would run jobs in forked children instead, and it is
+unsafe here: the heartbeat and inference threads initialise CUDA in the parent, CUDA does not
+survive fork ("Cannot re-initialize CUDA in forked subprocess"), and Celery re-forks children at
+any time (a child died, max-tasks-per-child). A device trains one job at a time anyway, so
+concurrency 1 loses nothing; with acks_late and prefetch multiplier 1 the worker holds no second
+job while it trains, so an `auto` job goes to an idle worker instead of queueing behind a busy one.
+
+The price: while a task runs, the main thread answers no Celery ping or remote control. Liveness
+therefore comes from the heartbeat thread (GET /devices), and shutdown from a flag: SIGTERM sets
+`state.shutdown`, which the trainer checks every step, so the job stops, checkpoints and requeues.
 """
 
 from __future__ import annotations
@@ -67,7 +75,8 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     cache = ModelCache(CheckpointPaths(settings.checkpoints_dir), device.torch_device,
                        settings.model_cache_count, settings.model_cache_bytes)
     inference = InferenceServer(client, device, cache, max_batch=settings.predict_max_batch,
-                                max_wait_ms=settings.predict_max_wait_ms, max_pixels=settings.max_image_pixels)
+                                max_wait_ms=settings.predict_max_wait_ms, max_pixels=settings.max_image_pixels,
+                                cpu_threads=settings.predict_cpu_threads)
     heartbeat = Heartbeat(device, instance, registry, store, state, cache.resident, settings.heartbeat_interval_s,
                           extra=lambda: {"inference": inference.stats.as_dict()})
     runner = JobRunner(settings, device, store, DatasetCatalog(client, settings), state)

@@ -48,6 +48,7 @@ class NonFiniteLoss(Exception):
 class TrainingReporter(Protocol):
     def progress(self, progress: Progress) -> None: ...
     def epoch(self, metrics: EpochMetrics) -> None: ...
+    def resumed(self, epoch: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -114,13 +115,14 @@ def _make_optimizer(plan: TrainingPlan, model: nn.Module) -> torch.optim.Optimiz
     return torch.optim.Adam(model.parameters(), lr=plan.learning_rate)
 
 
-def _augment(batch: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random horizontal flip and 4-pixel-padded random crop, on whatever device the batch is."""
+def _augment(batch: torch.Tensor, generator: torch.Generator, crop_generator: torch.Generator) -> torch.Tensor:
+    """Random horizontal flip and 4-pixel-padded random crop, on whatever device the batch is.
+    The crop offset comes from a CPU generator: drawing it on the GPU would sync every step."""
     n, _, h, w = batch.shape
     flip = torch.rand(n, device=batch.device, generator=generator) < 0.5
     batch = torch.where(flip[:, None, None, None], batch.flip(3), batch)
     padded = F.pad(batch, (4, 4, 4, 4), mode="reflect")
-    dx, dy = (int(v) for v in torch.randint(0, 9, (2,), generator=generator, device=batch.device))
+    dx, dy = (int(v) for v in torch.randint(0, 9, (2,), generator=crop_generator))
     return padded[:, :, dy:dy + h, dx:dx + w]
 
 
@@ -157,6 +159,8 @@ class Trainer:
         loss_fn = nn.CrossEntropyLoss().to(device)
         history: list[EpochMetrics] = []
         start_epoch = self._resume(model, optimizer, history)
+        if start_epoch > 1:
+            self.reporter.resumed(start_epoch - 1)
 
         n = len(labels)
         steps = math.ceil(n / plan.batch_size)
@@ -165,6 +169,7 @@ class Trainer:
             index_gen = torch.Generator(device=images.device).manual_seed(plan.seed * 100_003 + epoch)
             order = torch.randperm(n, device=images.device, generator=index_gen)
             aug_gen = torch.Generator(device=device).manual_seed(plan.seed * 100_003 + epoch + 1)
+            crop_gen = torch.Generator().manual_seed(plan.seed * 100_003 + epoch + 2)
             model.train()
             loss_sum = torch.zeros((), device=device)
             correct = torch.zeros((), device=device, dtype=torch.int64)
@@ -177,7 +182,7 @@ class Trainer:
                 y = self._to_device(labels[idx])
                 x = normalize(x, mean_t, std_t)
                 if plan.augment:
-                    x = _augment(x, aug_gen)
+                    x = _augment(x, aug_gen, crop_gen)
                 if plan.channels_last:
                     x = x.contiguous(memory_format=torch.channels_last)
                 with self._autocast():

@@ -38,6 +38,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        """A bug, not bad input: still a JSON `detail` (the contract's shape), the trace in the log."""
+        log.error("unhandled %s on %s %s (the server logs its trace)", type(exc).__name__, request.method,
+                  request.url.path)
+        return JSONResponse({"detail": f"internal error ({type(exc).__name__}); see the API log"}, status_code=500)
+
     @app.exception_handler(redis.RedisError)
     async def redis_error(_: Request, exc: redis.RedisError) -> JSONResponse:
         log.warning("Redis unavailable: %s", exc)

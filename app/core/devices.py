@@ -16,15 +16,28 @@ import redis
 
 from app.core.errors import DeviceInUse, InvalidInput
 from app.core.redis import KEY_PREFIX
-from app.core.schemas import Device
+from app.core.schemas import Device, Job, JobStatus
 
 DEVICES_INDEX = f"{KEY_PREFIX}devices"
 OFFLINE_FORGET_S = 7 * 24 * 3600
 
-# Refresh the alive key only if this instance still owns it.
-_REFRESH = """
+# Write the state record and refresh the alive key, only if this instance still owns the device
+# (or it lapsed and nobody took it: a heartbeat that stalled past the TTL takes it back).
+_PUBLISH = """
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] or not holder then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('SET', KEYS[2], ARGV[3], 'EX', ARGV[4])
+  redis.call('SADD', KEYS[3], ARGV[5])
+  return 1
+end
+return 0
+"""
+
+_RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  redis.call('DEL', KEYS[1])
+  redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
   return 1
 end
 return 0
@@ -47,7 +60,8 @@ class DeviceRegistry:
     def __init__(self, client: redis.Redis, ttl_s: float) -> None:
         self.redis = client
         self.ttl_ms = int(ttl_s * 1000)
-        self._refresh = client.register_script(_REFRESH)
+        self._publish = client.register_script(_PUBLISH)
+        self._release = client.register_script(_RELEASE)
 
     # -------------------------------------------------------------- worker side
     def acquire(self, device_id: str, instance: str, holder_is_dead: Callable[[dict], bool] = lambda _: False) -> None:
@@ -67,18 +81,16 @@ class DeviceRegistry:
         self.redis.sadd(DEVICES_INDEX, device_id)
 
     def publish(self, device_id: str, instance: str, state: dict[str, Any]) -> bool:
-        """Write this device's state and refresh its liveness; False if another instance took it."""
-        pipe = self.redis.pipeline()
-        pipe.set(state_key(device_id), json.dumps(state), ex=OFFLINE_FORGET_S)
-        pipe.sadd(DEVICES_INDEX, device_id)
-        pipe.execute()
-        return bool(self._refresh(keys=[alive_key(device_id)], args=[instance, self.ttl_ms]))
+        """Write this device's state and refresh its liveness; False (and nothing written) if another
+        instance took the device, e.g. after this one stalled past the TTL."""
+        return bool(self._publish(keys=[alive_key(device_id), state_key(device_id), DEVICES_INDEX],
+                                  args=[instance, self.ttl_ms, json.dumps(state), OFFLINE_FORGET_S, device_id]))
 
     def release(self, device_id: str, instance: str, state: dict[str, Any]) -> None:
-        """Mark offline at once on a clean shutdown instead of waiting for the TTL."""
-        if self.redis.get(alive_key(device_id)) == instance:
-            self.redis.delete(alive_key(device_id))
-        self.redis.set(state_key(device_id), json.dumps(state), ex=OFFLINE_FORGET_S)
+        """Mark offline at once on a clean shutdown instead of waiting for the TTL (only if this
+        instance still holds the device: never overwrite a successor's record)."""
+        self._release(keys=[alive_key(device_id), state_key(device_id)],
+                      args=[instance, json.dumps(state), OFFLINE_FORGET_S])
 
     # -------------------------------------------------------------- reader side
     def state(self, device_id: str) -> dict[str, Any] | None:
@@ -109,6 +121,32 @@ class DeviceRegistry:
 
     def known_ids(self) -> set[str]:
         return set(self.redis.smembers(DEVICES_INDEX))
+
+    def waiting_note(self, requested: str, live: list[Device]) -> str | None:
+        """Why a job for `requested` cannot start now, or None when a live worker could take it."""
+        if requested == "auto":
+            return None if live else "no worker is online; the job stays queued until one starts"
+        if requested in ("cuda", "cpu"):
+            if any(d.type == requested for d in live):
+                return None
+            kind = "GPU" if requested == "cuda" else "CPU"
+            return f"no {kind} worker is online; the job stays queued until one starts"
+        if any(d.id == requested for d in live):
+            return None
+        return (f"device {requested} is offline (no live worker); the job stays queued and runs "
+                f"when its worker is back")
+
+    def annotate(self, jobs: list[Job]) -> list[Job]:
+        """Queued jobs say so when their device has no live worker: read live, never stale."""
+        queued = [job for job in jobs if job.status is JobStatus.queued]
+        if not queued:
+            return jobs
+        live = self.live()
+        for job in queued:
+            note = self.waiting_note(job.requested_device, live)
+            if note:
+                job.message = f"{note} ({job.message})" if job.message else note
+        return jobs
 
     def validate_request(self, requested: str) -> str:
         """A job's `device`: auto, cuda, cpu, or the id of a device a worker has registered."""

@@ -86,6 +86,8 @@ def _decode(raw: dict[str, str]) -> dict[str, Any]:
         if field in doc:
             doc[field] = json.loads(doc[field])
     doc["attempts"] = int(doc.get("attempts", 0))
+    if doc.get("resumed_from_epoch"):
+        doc["resumed_from_epoch"] = int(doc["resumed_from_epoch"])
     for field in ("device", "error", "message", "started_at", "finished_at"):
         doc[field] = doc.get(field) or None
     return doc
@@ -133,8 +135,9 @@ class JobStore:
         pipe.zadd(status_index(JobStatus.queued), {job_id: 0})
         self._event(pipe, job_id, "status", {"status": "queued", "attempts": 0})
         pipe.execute()
+        job = self.get(job_id)  # as created: an idle worker may claim it as soon as it is sent
         self._send(job_id, token, queue)
-        return self.get(job_id), True
+        return job, True
 
     def get(self, job_id: str) -> Job:
         return Job.model_validate(_decode(self._raw(job_id)))
@@ -208,6 +211,14 @@ class JobStore:
 
     def set_classes(self, job_id: str, classes: list[str]) -> None:
         self.redis.hset(job_key(job_id), "classes", json.dumps(classes))
+
+    def set_resumed(self, job_id: str, epoch: int) -> None:
+        """Record that this delivery continues after `epoch` (from the resumable checkpoint)."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(job_key(job_id), mapping={"resumed_from_epoch": epoch,
+                                            "message": f"resumed after epoch {epoch}"})
+        self._event(pipe, job_id, "resumed", {"epoch": epoch})
+        pipe.execute()
 
     def update_progress(self, job_id: str, progress: Progress) -> None:
         data = progress.model_dump()

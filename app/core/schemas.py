@@ -80,6 +80,8 @@ class Job(BaseModel):
     error: str | None = None
     message: str | None = Field(default=None, description="What the job waits for or what happened to it.")
     attempts: int = 0
+    resumed_from_epoch: int | None = Field(
+        default=None, description="Set when a later delivery continued after this finished epoch.")
     created_at: datetime
     started_at: datetime | None = None
     finished_at: datetime | None = None

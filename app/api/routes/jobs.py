@@ -6,7 +6,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
 
 from app.api.deps import ServicesDep
-from app.api.sse import job_event_stream
+from app.api.sse import job_event_stream, parse_last_event_id
 from app.core.errors import NotFound
 from app.core.schemas import Job, JobList, JobSpec, JobStatus
 from app.core.storage import CheckpointPaths
@@ -19,6 +19,7 @@ router = APIRouter(tags=["jobs"])
 def create_job(services: ServicesDep, spec: JobSpec, response: Response,
                idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> Job:
     job, created = services.training.submit(spec, idempotency_key)
+    services.devices.annotate([job])
     response.status_code = 202 if created else 200
     response.headers["Location"] = f"/jobs/{job.id}"
     return job
@@ -27,12 +28,14 @@ def create_job(services: ServicesDep, spec: JobSpec, response: Response,
 @router.get("/jobs", response_model=JobList)
 def list_jobs(services: ServicesDep, status: JobStatus | None = None,
               limit: Annotated[int, Query(ge=1, le=500)] = 50, cursor: str | None = None) -> JobList:
-    return services.jobs.list(status, limit, cursor)
+    page = services.jobs.list(status, limit, cursor)
+    services.devices.annotate(page.jobs)
+    return page
 
 
 @router.get("/jobs/{job_id}", response_model=Job)
 def get_job(services: ServicesDep, job_id: str) -> Job:
-    return services.jobs.get(job_id)
+    return services.devices.annotate([services.jobs.get(job_id)])[0]
 
 
 @router.post("/jobs/{job_id}/cancel", status_code=202, response_model=Job)
@@ -45,6 +48,7 @@ def cancel_job(services: ServicesDep, job_id: str) -> Job:
 def job_events(services: ServicesDep, job_id: str, request: Request,
                last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
     services.jobs.get(job_id)  # 404 before the stream starts
+    last_event_id = parse_last_event_id(last_event_id)  # 422 before the stream starts
     return StreamingResponse(job_event_stream(services.aredis, job_id, last_event_id, request),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,182 @@
+"""Training jobs through real processes: built-ins through torchvision's loaders, cancellation,
+idempotent submission, listing, and resuming after a worker is killed."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.datagen import CIFAR_CLASSES, shapes_zip, write_cifar10, write_mnist
+from tests.support import Processes, free_port, wait_for_job, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def own_stack(clean_redis_url: str, tmp_path: Path) -> Iterator[dict]:
+    """An API and a worker of our own: small lease TTL, few zip entries, test copies of built-ins."""
+    data_dir = tmp_path / "data"
+    procs = Processes(clean_redis_url, data_dir, tmp_path / "logs", TORCHYARD_LEASE_TTL_S="3",
+                      TORCHYARD_MAX_ZIP_ENTRIES="50", TORCHYARD_VERIFY_BUILTIN_CHECKSUMS="false")
+    port = free_port()
+    procs.api(port)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    try:
+        wait_until(lambda: client.get("/healthz").status_code == 200, timeout=60, what="the API")
+        yield {"client": client, "procs": procs, "data_dir": data_dir}
+    finally:
+        client.close()
+        procs.stop_all()
+
+
+def _events(client: httpx.Client, job_id: str) -> list[str]:
+    with client.stream("GET", f"/jobs/{job_id}/events") as response:
+        return [line.split(": ", 1)[1] for line in response.iter_lines() if line.startswith("event: ")]
+
+
+def test_builtins_through_torchvision_and_missing_files(own_stack: dict) -> None:
+    client, procs, data_dir = own_stack["client"], own_stack["procs"], own_stack["data_dir"]
+    builtin = data_dir / "builtin"
+    write_cifar10(builtin, per_batch=100)
+    write_mnist(builtin, train=300)
+    procs.worker("cpu")
+    wait_until(lambda: client.get("/readyz").status_code == 200, timeout=90, what="a worker heartbeat")
+
+    datasets = {d["id"]: d for d in client.get("/datasets").json()["datasets"]}
+    assert datasets["cifar10"]["available"] and datasets["mnist"]["available"]
+    assert not datasets["fashion_mnist"]["available"]
+
+    cifar = client.post("/jobs", json={"model": "cifar_net", "dataset": "cifar10", "epochs": 5,
+                                                  "batch_size": 32}).json()
+    mnist = client.post("/jobs", json={"model": "catdog_net", "dataset": "mnist", "epochs": 2}).json()
+    missing = client.post("/jobs", json={"model": "cifar_net", "dataset": "fashion_mnist", "epochs": 1}).json()
+
+    done = wait_for_job(client, cifar["id"], {"succeeded", "failed"})
+    assert done["status"] == "succeeded", done["error"]
+    assert done["classes"] == CIFAR_CLASSES  # from batches.meta, read by torchvision
+    assert done["metrics"][-1]["val_accuracy"] >= 0.9
+    assert done["progress"]["steps"] == 15  # 5 batches × 100, 10% held out: 450 images at batch 32
+
+    done = wait_for_job(client, mnist["id"], {"succeeded", "failed"})
+    assert done["status"] == "succeeded", done["error"]
+    assert done["params"]["channels"] == 1 and done["params"]["height"] == 50  # 28×28 gray → catdog_net's 50×50
+
+    failed = wait_for_job(client, missing["id"], {"succeeded", "failed"})
+    assert failed["status"] == "failed"
+    assert str(builtin / "FashionMNIST" / "raw") in failed["error"] and "TORCHYARD_ALLOW_DOWNLOAD" in failed["error"]
+
+    # Too many entries for this API (TORCHYARD_MAX_ZIP_ENTRIES=50): refused, nothing written.
+    refused = client.post("/datasets", files={"file": ("many.zip", shapes_zip(per_class=20), "application/zip")})
+    assert refused.status_code == 413 and "entries" in refused.json()["detail"]
+    assert not list(data_dir.glob("datasets/*")) and not list(data_dir.glob("datasets/.*"))
+
+
+def test_cancel_running_queued_and_finished(stack: dict) -> None:
+    client = stack["client"]
+    running = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 500}).json()
+    wait_until(lambda: client.get(f"/jobs/{running['id']}").json()["progress"]["step"] > 0, timeout=60,
+               what="the long job to be training")
+    queued = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 1}).json()
+    assert client.get(f"/jobs/{queued['id']}").json()["status"] == "queued"  # the only worker is busy
+
+    answer = client.post(f"/jobs/{queued['id']}/cancel")
+    assert answer.status_code == 202 and answer.json()["status"] == "cancelled"
+    answer = client.post(f"/jobs/{running['id']}/cancel")
+    assert answer.status_code == 202 and answer.json()["status"] in ("running", "cancelled")
+    stopped = wait_for_job(client, running["id"], {"cancelled", "succeeded", "failed"}, timeout=30)
+    assert stopped["status"] == "cancelled" and stopped["checkpoint"] is None
+    assert len(stopped["metrics"]) < 500
+
+    # The worker is free now and receives the cancelled job's message: it must not start it.
+    probe = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 1}).json()
+    assert wait_for_job(client, probe["id"], {"succeeded", "failed"})["status"] == "succeeded"
+    never = client.get(f"/jobs/{queued['id']}").json()
+    assert never["status"] == "cancelled" and never["attempts"] == 0 and never["started_at"] is None
+    assert _events(client, queued["id"]) == ["status", "status"]  # queued, cancelled
+
+    finished = client.post(f"/jobs/{probe['id']}/cancel")
+    assert finished.status_code == 409 and "succeeded" in finished.json()["detail"]
+    assert client.post(f"/jobs/{queued['id']}/cancel").status_code == 409
+    assert client.post("/jobs/doesnotexist/cancel").status_code == 404
+
+
+def test_idempotency_validation_and_listing(stack: dict) -> None:
+    client = stack["client"]
+    spec = {"model": "cifar_net", "dataset": "fake", "epochs": 1, "learning_rate": 0.002, "optimizer": "sgd"}
+    first = client.post("/jobs", json=spec, headers={"Idempotency-Key": "retry-me-1"})
+    again = client.post("/jobs", json=spec, headers={"Idempotency-Key": "retry-me-1"})
+    assert first.status_code == 202 and again.status_code == 200
+    assert again.json()["id"] == first.json()["id"]
+    params = first.json()["params"]
+    assert params["learning_rate"] == 0.002 and params["optimizer"] == "sgd" and params["seed"] == 0
+    assert params["val_fraction"] == 0.1 and params["epochs"] == 1
+
+    models = {m["name"]: m for m in client.get("/models").json()["models"]}
+    assert models["cifar_net"]["input"] == {"channels": 3, "height": 32, "width": 32}
+    assert models["catdog_net"]["input"] == {"channels": 1, "height": 50, "width": 50}
+    assert {"resnet18", "mobilenet_v3_small"} <= set(models) and all(m["parameters"] > 0 for m in models.values())
+
+    for bad in ({"model": "nope", "dataset": "fake"}, {"model": "cifar_net", "dataset": "nope"},
+                {"model": "cifar_net", "dataset": "fake", "epochs": 0},
+                {"model": "cifar_net", "dataset": "fake", "optimizer": "lbfgs"},
+                {"model": "cifar_net", "dataset": "fake", "image_size": 64},
+                {"model": "cifar_net", "dataset": "fake", "device": "nowhere/cuda:7"},
+                {"model": "cifar_net", "dataset": "fake", "surprise": 1}):
+        response = client.post("/jobs", json=bad)
+        assert response.status_code == 422 and response.json()["detail"], bad
+
+    ids = [client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 1}).json()["id"]
+           for _ in range(3)]
+    for job_id in ids + [first.json()["id"]]:
+        wait_for_job(client, job_id, {"succeeded", "failed"})
+    seen: list[str] = []
+    cursor = None
+    while True:
+        page = client.get("/jobs", params={"status": "succeeded", "limit": 2, **({"cursor": cursor} if cursor else {})}).json()
+        assert len(page["jobs"]) <= 2 and all(j["status"] == "succeeded" for j in page["jobs"])
+        seen += [j["id"] for j in page["jobs"]]
+        cursor = page["next_cursor"]
+        if not cursor:
+            break
+    assert len(seen) == len(set(seen)) and set(ids) <= set(seen)
+    assert seen == sorted(seen, reverse=True)  # newest first
+    assert not {j["id"] for j in client.get("/jobs", params={"status": "queued"}).json()["jobs"]} & set(ids)
+
+
+def test_resume_after_worker_sigkill(own_stack: dict) -> None:
+    client, procs = own_stack["client"], own_stack["procs"]
+    first = procs.worker("cpu", name="worker-first")
+    wait_until(lambda: client.get("/readyz").status_code == 200, timeout=90, what="a worker heartbeat")
+    epochs = 12
+    job = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": epochs, "batch_size": 32}).json()
+
+    def some_epochs() -> dict | None:
+        current = client.get(f"/jobs/{job['id']}").json()
+        return current if len(current["metrics"]) >= 2 else None
+
+    at_kill = wait_until(some_epochs, timeout=120, interval=0.05, what="two finished epochs")
+    procs.stop(first, signal.SIGKILL)
+    killed_after = len(client.get(f"/jobs/{job['id']}").json()["metrics"])
+    assert at_kill["status"] == "running" and killed_after < epochs, "the job finished before the kill"
+
+    time.sleep(1)
+    second = procs.worker("cpu", name="worker-second")
+    done = wait_for_job(client, job["id"], {"succeeded", "failed"}, timeout=180)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["attempts"] == 2
+    assert [m["epoch"] for m in done["metrics"]] == list(range(1, epochs + 1))
+    # Continued after its last finished epoch (one more may have been saved just before the kill).
+    assert done["resumed_from_epoch"] in (killed_after, killed_after + 1)
+    assert f"resumes after epoch {done['resumed_from_epoch']}" in procs.log(second)
+    assert "resumes after" not in procs.log(first)
+
+    events = _events(client, job["id"])
+    assert events.count("resumed") == 1
+    body = client.get(f"/jobs/{job['id']}/checkpoint").content
+    assert hashlib.sha256(body).hexdigest() == done["checkpoint"]["sha256"]

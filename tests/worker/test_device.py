@@ -1,0 +1,155 @@
+"""Pinning and device naming: pure functions over an environment, no CUDA needed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.support import REPO
+from worker.device import (
+    PINNED_MARKER,
+    DeviceChoice,
+    PinningError,
+    WorkerDevice,
+    is_pinned,
+    pinned_environment,
+    resolve_worker_device,
+)
+
+
+def test_parse() -> None:
+    assert DeviceChoice.parse("cpu") == DeviceChoice("cpu", None)
+    assert DeviceChoice.parse("3") == DeviceChoice("cuda", 3)
+    for bad in ("cuda:0", "-1", "gpu", ""):
+        with pytest.raises(PinningError):
+            DeviceChoice.parse(bad)
+
+
+@pytest.mark.parametrize(("arg", "outer", "visible"), [
+    ("0", None, "0"),
+    ("1", None, "1"),
+    ("0", "2", "2"),        # `torchyard up` starts GPU 2's worker as CUDA_VISIBLE_DEVICES=2 --device 0
+    ("1", "3,5", "5"),      # the N-th entry of an outer CUDA_VISIBLE_DEVICES
+    ("1", " 3 , 5 ", "5"),
+    ("cpu", "0,1", ""),     # a CPU worker sees no GPU at all
+    ("cpu", None, ""),
+])
+def test_pinned_environment(arg: str, outer: str | None, visible: str) -> None:
+    environ = {} if outer is None else {"CUDA_VISIBLE_DEVICES": outer}
+    pinned = pinned_environment(DeviceChoice.parse(arg), environ)
+    assert pinned == {"CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def test_index_beyond_outer_visible_devices_is_refused() -> None:
+    with pytest.raises(PinningError, match="shows this process only 2 GPU"):
+        pinned_environment(DeviceChoice.parse("2"), {"CUDA_VISIBLE_DEVICES": "3,5"})
+
+
+def test_marker_is_tied_to_argument_and_pin() -> None:
+    assert is_pinned("1", {PINNED_MARKER: "1:5", "CUDA_VISIBLE_DEVICES": "5"})
+    assert not is_pinned("1", {"CUDA_VISIBLE_DEVICES": "5"})
+    assert not is_pinned("0", {PINNED_MARKER: "1:5", "CUDA_VISIBLE_DEVICES": "5"})
+    assert not is_pinned("1", {PINNED_MARKER: "1:5", "CUDA_VISIBLE_DEVICES": "4"})
+
+
+@pytest.mark.parametrize(("arg", "host_index", "environ", "expected_index"), [
+    ("0", None, {"CUDA_VISIBLE_DEVICES": "3"}, 3),                      # bare host, pinned by up
+    ("0", 2, {"CUDA_VISIBLE_DEVICES": "0"}, 2),                         # container + TORCHYARD_HOST_GPU_INDEX
+    ("0", None, {"CUDA_VISIBLE_DEVICES": "0", "NVIDIA_VISIBLE_DEVICES": "1"}, 1),   # docker -e NVIDIA_VISIBLE_DEVICES=1
+    ("0", 4, {"CUDA_VISIBLE_DEVICES": "0", "NVIDIA_VISIBLE_DEVICES": "1"}, 4),      # the setting wins
+    ("0", None, {"CUDA_VISIBLE_DEVICES": "0", "NVIDIA_VISIBLE_DEVICES": "all"}, 0),
+    ("0", None, {"CUDA_VISIBLE_DEVICES": "0", "NVIDIA_VISIBLE_DEVICES": "0,1"}, 0),
+    ("1", None, {"CUDA_VISIBLE_DEVICES": "1", "NVIDIA_VISIBLE_DEVICES": "3"}, 1),   # a list of 1 has no index 1
+    ("0", None, {"CUDA_VISIBLE_DEVICES": "GPU-8a1b"}, 0),               # a UUID: fall back to the argument
+])
+def test_resolve_worker_device(arg: str, host_index: int | None, environ: dict, expected_index: int) -> None:
+    device = resolve_worker_device(DeviceChoice.parse(arg), "nodea", host_index, environ)
+    assert device == WorkerDevice("cuda", expected_index, "nodea")
+    assert device.id == f"nodea/cuda:{expected_index}"
+    assert device.worker_name == f"gpu{expected_index}@nodea"
+    assert device.torch_device == "cuda:0"
+
+
+def test_cpu_device_names() -> None:
+    device = resolve_worker_device(DeviceChoice.parse("cpu"), "nodea", 3, {"NVIDIA_VISIBLE_DEVICES": "1"})
+    assert (device.id, device.worker_name, device.torch_device, device.index) == ("nodea/cpu", "cpu@nodea", "cpu", None)
+
+
+def test_cli_and_supervisor_never_import_torch() -> None:
+    """The supervisor must not touch CUDA; importing torch is where that would start."""
+    code = ("import sys, app.cli, app.supervisor, worker.device\n"
+            "from app.core.config import Settings\n"
+            "from app.supervisor import Supervisor\n"
+            "Supervisor(Settings(devices='0,1', redis_url='redis://127.0.0.1:1/0')).plan('redis://127.0.0.1:1/0')\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_supervisor_plan_pins_one_worker_per_gpu(tmp_path) -> None:
+    from app.core.config import Settings
+    from app.supervisor import Supervisor
+
+    children = Supervisor(Settings(devices="0,2", data_dir=tmp_path)).plan("redis://127.0.0.1:1/0")
+    workers = {c.name: c for c in children if c.name.startswith("worker")}
+    assert set(workers) == {"worker-gpu0", "worker-gpu2"}
+    for index, child in (("0", workers["worker-gpu0"]), ("2", workers["worker-gpu2"])):
+        assert child.argv[-3:] == ["worker", "--device", "0"]
+        assert child.env["CUDA_VISIBLE_DEVICES"] == index and child.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    cpu_only = Supervisor(Settings(devices="cpu", data_dir=tmp_path)).plan("redis://127.0.0.1:1/0")
+    [cpu] = [c for c in cpu_only if c.name.startswith("worker")]
+    assert cpu.argv[-1] == "cpu" and cpu.env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_device_lock_refuses_a_live_holder_and_takes_over_from_a_crashed_one(clean_redis_url: str) -> None:
+    """The registry's alive key is the device lock (real Redis)."""
+    import redis as redis_lib
+
+    from app.core.devices import DeviceRegistry, alive_key
+    from app.core.errors import DeviceInUse
+    from worker.runtime import _crashed_here
+
+    device = WorkerDevice("cpu", None, "hosta")
+    client = redis_lib.Redis.from_url(clean_redis_url, decode_responses=True)
+    try:
+        registry = DeviceRegistry(client, ttl_s=30)
+        registry.acquire(device.id, "first")
+        crashed = subprocess.Popen([sys.executable, "-c", "pass"])
+        crashed.wait()
+        registry.publish(device.id, "first", {"worker": device.worker_name, "pid": crashed.pid})
+        alive_pid = {"worker": device.worker_name, "pid": os.getpid()}
+        assert _crashed_here({"worker": device.worker_name, "pid": crashed.pid}, device)
+        assert not _crashed_here(alive_pid, device)
+        assert not _crashed_here({"worker": "cpu@hostb", "pid": crashed.pid}, device)  # another host's worker
+
+        with pytest.raises(DeviceInUse, match=f"already held by cpu@hosta \\(pid {crashed.pid}\\)"):
+            registry.acquire(device.id, "second")  # the TTL has not lapsed and nobody says it crashed
+        registry.acquire(device.id, "second", holder_is_dead=lambda holder: _crashed_here(holder, device))
+        assert client.get(alive_key(device.id)) == "second"
+        assert not registry.publish(device.id, "first", {"worker": device.worker_name, "pid": 1})  # the old one lost it
+        assert registry.state(device.id)["pid"] == crashed.pid  # and cannot overwrite the new holder's record
+        registry.release(device.id, "first", {"worker": device.worker_name, "pid": 1, "status": "offline"})
+        assert client.get(alive_key(device.id)) == "second" and registry.state(device.id)["pid"] == crashed.pid
+        registry.release(device.id, "second", {"worker": device.worker_name, "pid": 2, "status": "offline"})
+        assert client.get(alive_key(device.id)) is None and registry.state(device.id)["pid"] == 2
+    finally:
+        client.close()
+
+
+def test_a_lapsed_heartbeat_takes_its_free_device_back(clean_redis_url: str) -> None:
+    import redis as redis_lib
+
+    from app.core.devices import DeviceRegistry, alive_key
+
+    client = redis_lib.Redis.from_url(clean_redis_url, decode_responses=True)
+    try:
+        registry = DeviceRegistry(client, ttl_s=30)
+        registry.acquire("hosta/cpu", "first")
+        client.delete(alive_key("hosta/cpu"))  # as if the TTL lapsed while the worker stalled
+        assert registry.publish("hosta/cpu", "first", {"pid": 1})
+        assert client.get(alive_key("hosta/cpu")) == "first" and client.pttl(alive_key("hosta/cpu")) > 0
+    finally:
+        client.close()

@@ -1,0 +1,167 @@
+"""The worker's inference pieces with real torch and a real Redis: decoding every accepted format
+the way training does, the resident-model LRU, and dynamic batching through the Redis list."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import redis
+import torch
+from PIL import Image
+
+from app.core.devices import predict_queue
+from app.core.storage import CheckpointPaths
+from models.registry import build_model
+from worker.checkpoint import CheckpointError, ModelMeta, Preprocessing, save_model
+from worker.device import WorkerDevice
+from worker.inference import BadImage, InferenceServer, ModelCache, decode_image
+from worker.preprocess import image_to_array, normalize, stats_tensors
+
+META = ModelMeta("cifar_net", 10, [f"c{i}" for i in range(10)],
+                 Preprocessing(3, 32, 32, (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)), "job-a")
+
+
+def _encode(image: Image.Image, fmt: str, **kw) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **kw)
+    return buffer.getvalue()
+
+
+def _rgb(seed: int = 0, size: tuple[int, int] = (32, 32)) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+
+
+def _save(paths: CheckpointPaths, job_id: str, seed: int, arch: str = "cifar_net") -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = build_model(arch, 10).eval()
+    path = paths.final(job_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_model(path, model, ModelMeta(arch, 10, META.classes, META.preprocessing, job_id))
+    return model
+
+
+@pytest.mark.parametrize("fmt,kw", [("PNG", {}), ("BMP", {}), ("WEBP", {"lossless": True}), ("JPEG", {"quality": 95})])
+def test_decode_matches_the_training_transform(fmt: str, kw: dict) -> None:
+    data = _encode(_rgb(1, (48, 40)), fmt, **kw)
+    expected = image_to_array(Image.open(io.BytesIO(data)), 3, 32, 32)  # what worker/data.py does for training
+    decoded = decode_image(data, META, max_pixels=10_000)
+    assert decoded.shape == (3, 32, 32) and decoded.dtype == np.uint8
+    assert np.array_equal(decoded, expected)
+    if fmt != "JPEG":  # lossless formats decode to exactly the resized source
+        source = np.asarray(_rgb(1, (48, 40)).resize((32, 32), Image.Resampling.BILINEAR)).transpose(2, 0, 1)
+        assert np.array_equal(decoded, source)
+
+
+def test_gif_uses_the_first_frame_and_grayscale_models_get_one_channel() -> None:
+    frames = [Image.new("RGB", (32, 32), (255, 0, 0)), Image.new("RGB", (32, 32), (0, 0, 255))]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:])
+    decoded = decode_image(buffer.getvalue(), META, max_pixels=10_000)
+    assert decoded[0].min() > 200 and decoded[2].max() < 50  # red, not blue
+    gray = ModelMeta("catdog_net", 2, ["cat", "dog"], Preprocessing(1, 50, 50, (0.5,), (0.5,)), "g")
+    assert decode_image(_encode(_rgb(2), "PNG"), gray, max_pixels=10_000).shape == (1, 50, 50)
+
+
+@pytest.mark.parametrize("data", [b"", b"not an image at all", _encode(_rgb(3), "PNG")[:200],
+                                  _encode(_rgb(3), "TIFF")])
+def test_undecodable_input_is_a_415(data: bytes) -> None:
+    with pytest.raises(BadImage) as info:
+        decode_image(data, META, max_pixels=10_000)
+    assert info.value.status == 415
+
+
+def test_too_many_pixels_is_a_413() -> None:
+    with pytest.raises(BadImage) as info:
+        decode_image(_encode(_rgb(4, (200, 100)), "PNG"), META, max_pixels=10_000)
+    assert info.value.status == 413
+
+
+def test_cache_is_an_lru_that_reloads_changed_checkpoints(tmp_path) -> None:
+    paths = CheckpointPaths(tmp_path)
+    _save(paths, "job-a", 1)
+    _save(paths, "job-b", 2)
+    cache = ModelCache(paths, "cpu", max_count=1, max_bytes=1 << 30)
+    first = cache.get("job-a")
+    assert not first.model.training and cache.get("job-a") is first  # resident, in eval mode
+    cache.get("job-b")
+    assert cache.resident() == ["job-b"] and cache.evictions == 1
+    cache.get("job-a")
+    stats = cache.stats()
+    assert (stats["loads"], stats["evictions"], stats["hits"], stats["reloads"]) == (3, 2, 1, 0)
+
+    # A new checkpoint for a resident job is picked up on the next request.
+    replacement = _save(paths, "job-a", 3)
+    os.utime(paths.final("job-a"), ns=(time.time_ns(), time.time_ns() + 10**9))  # a distinct mtime on coarse clocks
+    entry = cache.get("job-a")
+    assert cache.stats()["reloads"] == 1
+    assert torch.equal(entry.model.state_dict()["fc3.weight"], replacement.state_dict()["fc3.weight"])
+
+    with pytest.raises(CheckpointError):
+        cache.get("job-missing")
+
+
+def test_cache_evicts_by_bytes(tmp_path) -> None:
+    paths = CheckpointPaths(tmp_path)
+    for i, job in enumerate(("a", "b", "c")):
+        _save(paths, job, i)
+    one = ModelCache(paths, "cpu", max_count=10, max_bytes=1 << 30).get("a").nbytes
+    cache = ModelCache(paths, "cpu", max_count=10, max_bytes=2 * one)
+    for job in ("a", "b", "c"):
+        cache.get(job)
+    assert cache.resident() == ["b", "c"] and cache.evictions == 1
+
+
+def _request(job_id: str, images: list[bytes], reply_to: str, top_k: int = 3) -> str:
+    now = time.time()
+    return json.dumps({"job_id": job_id, "top_k": top_k, "reply_to": reply_to, "t": now, "deadline": now + 30,
+                       "images": [{"filename": f"{i}.png", "data": base64.b64encode(d).decode()}
+                                  for i, d in enumerate(images)]})
+
+
+def test_queued_requests_run_as_one_batch_and_bad_ones_are_answered_alone(clean_redis_url: str, tmp_path) -> None:
+    client = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    paths = CheckpointPaths(tmp_path)
+    model = _save(paths, "job-a", 5)
+    device = WorkerDevice("cpu", None, "testnode")
+    server = InferenceServer(client, device, ModelCache(paths, "cpu", 2, 1 << 30), max_batch=32, max_wait_ms=5,
+                             max_pixels=10_000)
+    pngs = [_encode(_rgb(10 + i), "PNG") for i in range(7)]
+    queue = predict_queue(device.id)
+    for i, png in enumerate(pngs[:6]):
+        client.rpush(queue, _request("job-a", [png], f"reply:{i}"))
+    client.rpush(queue, _request("job-a", [pngs[6], pngs[0]], "reply:two"))  # two files in one request
+    client.rpush(queue, _request("job-a", [b"garbage"], "reply:bad"))
+    client.rpush(queue, _request("job-missing", [pngs[0]], "reply:missing"))
+    client.rpush(queue, "{not json")
+    server.start()
+    try:
+        replies = {key: client.blpop([key], timeout=20) for key in
+                   [*(f"reply:{i}" for i in range(6)), "reply:two", "reply:bad", "reply:missing"]}
+    finally:
+        server.stop()
+    assert all(replies.values()), replies
+    status = {key: value[1].split(" ", 1)[0] for key, value in replies.items()}
+    assert status.pop("reply:bad") == "415" and status.pop("reply:missing") == "409"
+    assert set(status.values()) == {"200"}
+    stats = server.stats.as_dict()
+    assert stats["max_batch"] == 8 and stats["batches"] == 1  # 6 + 2 images, one forward
+
+    mean, std = stats_tensors(META.preprocessing, "cpu")
+    with torch.inference_mode():
+        x = torch.from_numpy(np.stack([image_to_array(Image.open(io.BytesIO(p)), 3, 32, 32) for p in pngs]))
+        expected = torch.softmax(model(normalize(x, mean, std)), dim=1)
+    body = json.loads(replies["reply:two"][1].split(" ", 1)[1])
+    assert body["job_id"] == "job-a" and body["model"] == "cifar_net" and body["device"] == device.id
+    assert [r["filename"] for r in body["results"]] == ["0.png", "1.png"]
+    for result, row in zip(body["results"], (expected[6], expected[0]), strict=True):
+        top = result["predictions"]
+        assert len(top) == 3 and [p["index"] for p in top] == row.topk(3).indices.tolist()
+        assert all(abs(p["probability"] - row[p["index"]].item()) <= 1e-6 for p in top)
+        assert top[0]["label"] == META.classes[top[0]["index"]]
