@@ -144,12 +144,18 @@ def test_datasets_upload_of_a_directory(stack: dict, tmp_path: Path) -> None:
     assert listed.returncode == 0 and record["id"] in listed.stdout and "fake" in listed.stdout
 
 
+def _sigint_default() -> None:
+    """Ctrl-C as in a terminal: a runner that started us in the background (a non-interactive
+    shell's `&`) leaves SIGINT ignored, and Python then installs no KeyboardInterrupt handler."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_following(stack: dict, *extra: str, stdin: int = subprocess.DEVNULL
                       ) -> tuple[subprocess.Popen, str, list[str]]:
     """`torchyard train` of a long job; returns once the job is being followed."""
     proc = subprocess.Popen([*CLI, "train", "--model", "cifar_net", "--dataset", "fake", "--epochs", "200", *extra],
                             cwd=REPO, env=_env(stack), stdin=stdin, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
     reader.start()
