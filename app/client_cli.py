@@ -356,23 +356,30 @@ def _run(handler: Handler) -> Callable[[Settings, argparse.Namespace], int]:
     return run
 
 
-def _connection_options() -> argparse.ArgumentParser:
+def _connection_options(nested: bool = False) -> argparse.ArgumentParser:
+    """--url, --api-key, --json. A nested command (`datasets upload`) takes them too, with no
+    defaults of its own, so `torchyard datasets --url X upload DIR` keeps the X given before it."""
+    def default(value: object) -> object:
+        return argparse.SUPPRESS if nested else value
+
     common = argparse.ArgumentParser(add_help=False)
     group = common.add_argument_group("server")
-    group.add_argument("--url", default=os.environ.get("TORCHYARD_URL") or "http://127.0.0.1:8000",
-                       help="the torchyard API (env TORCHYARD_URL; default %(default)s)")
-    group.add_argument("--api-key", default=os.environ.get("TORCHYARD_API_KEY"),
+    group.add_argument("--url", default=default(os.environ.get("TORCHYARD_URL") or "http://127.0.0.1:8000"),
+                       help="the torchyard API (env TORCHYARD_URL; default http://127.0.0.1:8000)")
+    group.add_argument("--api-key", default=default(os.environ.get("TORCHYARD_API_KEY")),
                        help="bearer token (env TORCHYARD_API_KEY)")
-    group.add_argument("--json", action="store_true", help="print the API's JSON instead of tables")
+    group.add_argument("--json", action="store_true", default=default(False),
+                       help="print the API's JSON instead of tables")
     return common
 
 
 def add_client_commands(sub: argparse._SubParsersAction) -> None:
     """Register devices, models, datasets, train, jobs, job, cancel, predict and checkpoint."""
-    common = _connection_options()
+    common, nested_common = _connection_options(), _connection_options(nested=True)
 
     def command(name: str, handler: Handler, help_: str, parent: argparse._SubParsersAction = sub):
-        parser = parent.add_parser(name, parents=[common], help=help_, description=help_)
+        options = common if parent is sub else nested_common
+        parser = parent.add_parser(name, parents=[options], help=help_, description=help_)
         parser.set_defaults(run=_run(handler))
         return parser
 

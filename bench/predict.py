@@ -36,7 +36,7 @@ sys.path.insert(0, str(REPO))
 MODELS = ("resnet18", "cifar_net")
 MAX_BATCH = 32
 BOUNDARY = "torchyardbenchboundary"
-DOCS = REPO / "docs" / "benchmarks.md"
+from bench.docs import write_section  # noqa: E402 (after the sys.path entry above)
 LOAD_START = os.getloadavg()
 
 
@@ -381,11 +381,7 @@ window on a quiet device (skipped). The CPU inference thread runs on half the co
 
 
 def write_docs(text: str) -> None:
-    doc = DOCS.read_text()
-    begin, end = "<!-- predict:begin -->", "<!-- predict:end -->"
-    head, rest = doc.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    DOCS.write_text(f"{head}{begin}\n## Prediction\n\n{text}{end}{tail}")
+    write_section("predict", "Prediction", text)
 
 
 def main() -> None:

@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-DOCS = REPO / "docs" / "benchmarks.md"
+from bench.docs import write_section  # noqa: E402 (after the sys.path entry above)
 LR, MOMENTUM = 0.001, 0.9
 SERVICE_BATCH = 128  # the service's CPU default
 THREADS_NOTE = ("Why a threads column: when other processes compete for the cores, torch's OpenMP threads wait on each other at every operator. In an earlier run on this machine with a load average near 7 (other test suites running), the tight loop did about 500 img/s with 2 threads and about 4,500 with 1. On a busy shared CPU host, `OMP_NUM_THREADS=1` for the CPU worker can be the faster setting.")
@@ -266,11 +266,7 @@ def report(command: str, n: int, results: dict[str, dict], load: tuple[float, fl
 
 
 def write_docs(text: str) -> None:
-    doc = DOCS.read_text()
-    begin, end = "<!-- train:begin -->", "<!-- train:end -->"
-    head, rest = doc.split(begin, 1)
-    _, tail = rest.split(end, 1)
-    DOCS.write_text(f"{head}{begin}\n## Training\n\n{text}{end}{tail}")
+    write_section("train", "Training", text)
 
 
 def main() -> None:

@@ -79,6 +79,14 @@ class Processes:
     def api(self, port: int, **env: str) -> subprocess.Popen:
         return self.spawn("api", "api", TORCHYARD_PORT=str(port), **env)
 
+    def ready_api(self, **env: str) -> str:
+        """An API process on a free port, answering /healthz; returns its base URL."""
+        port = free_port()
+        self.api(port, **env)
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: httpx.get(f"{base}/healthz").status_code == 200, timeout=60, what="the API")
+        return base
+
     def stop(self, proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
         if proc.poll() is None:
             proc.send_signal(sig)

@@ -122,7 +122,8 @@ class JobRunner:
 
     def _stopped(self, job_id: str, token: str, reason: str) -> None:
         if reason == "cancelled":
-            self.store.finish(job_id, token, JobStatus.cancelled)
+            if self.store.finish(job_id, token, JobStatus.cancelled):
+                self.paths.resume(job_id).unlink(missing_ok=True)  # nothing will resume a cancelled job
         elif reason == "shutdown":
             self.store.requeue(job_id, token, f"worker {self.device.worker_name} shut down")
         else:

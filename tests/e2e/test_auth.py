@@ -12,7 +12,7 @@ import pytest
 
 from app.core.config import Settings
 from app.main import create_app
-from tests.support import Processes, flush, free_port, wait_until, with_db
+from tests.support import Processes, flush, with_db
 
 pytestmark = pytest.mark.e2e
 
@@ -49,12 +49,8 @@ def keyed_api(redis_base_url: str, tmp_path_factory: pytest.TempPathFactory) -> 
     url = with_db(redis_base_url, 15)  # a database of this module's own; nothing else runs there
     flush(url)
     procs = Processes(url, data_dir, data_dir / "logs")
-    port = free_port()
-    procs.api(port, TORCHYARD_API_KEY=KEY)
-    base = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: httpx.get(f"{base}/healthz").status_code == 200, timeout=60, what="the API")
-        yield base
+        yield procs.ready_api(TORCHYARD_API_KEY=KEY)
     finally:
         procs.stop_all()
 

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import httpx
 import pytest
 
-from tests.support import REPO, Processes, free_port, wait_until
+from tests.support import REPO, Processes
 
 pytestmark = pytest.mark.e2e
 
@@ -30,12 +30,8 @@ API_KEY = "dashboard-test-key"
 def keyed_api(stack: dict) -> str:
     """A second API process with TORCHYARD_API_KEY set, on the stack's Redis and data dir."""
     procs = Processes(stack["redis_url"], stack["data_dir"], stack["data_dir"] / "logs-dashboard")
-    port = free_port()
-    procs.api(port, TORCHYARD_API_KEY=API_KEY)
-    base = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: httpx.get(f"{base}/healthz").status_code == 200, timeout=60, what="the keyed API")
-        yield base
+        yield procs.ready_api(TORCHYARD_API_KEY=API_KEY)
     finally:
         procs.stop_all()
 

@@ -11,14 +11,13 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from tests.support import Processes, flush, free_port, wait_until, with_db
+from tests.support import Processes, flush, with_db
 
 pytestmark = pytest.mark.e2e
 
@@ -33,12 +32,8 @@ def fuzz_api(redis_base_url: str, tmp_path_factory: pytest.TempPathFactory) -> I
     url = with_db(redis_base_url, 15)
     flush(url)
     procs = Processes(url, data_dir, data_dir / "logs", TORCHYARD_MAX_UPLOAD_BYTES=str(8 << 20))
-    port = free_port()
-    procs.api(port)
-    base = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: httpx.get(f"{base}/healthz").status_code == 200, timeout=60, what="the API")
-        yield base
+        yield procs.ready_api()
     finally:
         procs.stop_all()
         flush(url)

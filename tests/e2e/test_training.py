@@ -92,6 +92,7 @@ def test_cancel_running_queued_and_finished(stack: dict) -> None:
     stopped = wait_for_job(client, running["id"], {"cancelled", "succeeded", "failed"}, timeout=30)
     assert stopped["status"] == "cancelled" and stopped["checkpoint"] is None
     assert len(stopped["metrics"]) < 500
+    assert not (stack["data_dir"] / "checkpoints" / running["id"] / "resume.pt").exists()
 
     # The worker is free now and receives the cancelled job's message: it must not start it.
     probe = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 1}).json()
