@@ -47,11 +47,8 @@ def own(clean_redis_url: str, tmp_path: Path) -> Iterator[dict]:
     """An API of its own on a flushed database, short leases and two attempts; workers started by the test."""
     procs = Processes(clean_redis_url, tmp_path / "data", tmp_path / "logs",
                       TORCHYARD_LEASE_TTL_S="2", TORCHYARD_MAX_ATTEMPTS="2")
-    port = free_port()
-    procs.api(port)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    client = httpx.Client(base_url=procs.ready_api(), timeout=60)
     try:
-        wait_until(lambda: client.get("/healthz").status_code == 200, timeout=60, what="the API")
         yield {"procs": procs, "client": client, "data_dir": tmp_path / "data"}
     finally:
         client.close()

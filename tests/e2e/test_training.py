@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.datagen import CIFAR_CLASSES, shapes_zip, write_cifar10, write_mnist
-from tests.support import Processes, free_port, wait_for_job, wait_until
+from tests.support import Processes, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -24,11 +24,8 @@ def own_stack(clean_redis_url: str, tmp_path: Path) -> Iterator[dict]:
     data_dir = tmp_path / "data"
     procs = Processes(clean_redis_url, data_dir, tmp_path / "logs", TORCHYARD_LEASE_TTL_S="3",
                       TORCHYARD_MAX_ZIP_ENTRIES="50", TORCHYARD_VERIFY_BUILTIN_CHECKSUMS="false")
-    port = free_port()
-    procs.api(port)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    client = httpx.Client(base_url=procs.ready_api(), timeout=60)
     try:
-        wait_until(lambda: client.get("/healthz").status_code == 200, timeout=60, what="the API")
         yield {"client": client, "procs": procs, "data_dir": data_dir}
     finally:
         client.close()
