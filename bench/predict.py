@@ -37,6 +37,7 @@ MODELS = ("resnet18", "cifar_net")
 MAX_BATCH = 32
 BOUNDARY = "torchyardbenchboundary"
 from bench.docs import write_section  # noqa: E402 (after the sys.path entry above)
+
 LOAD_START = os.getloadavg()
 
 
@@ -44,7 +45,7 @@ LOAD_START = os.getloadavg()
 def make_checkpoint(data_dir: Path, model_name: str) -> tuple[str, Path]:
     import torch
 
-    from app.core.storage import CheckpointPaths
+    from core.storage import CheckpointPaths
     from models.registry import build_model, get_model_spec
     from worker.checkpoint import ModelMeta, Preprocessing, save_model
 
@@ -114,7 +115,10 @@ async def _one_connection(port: int, request: bytes, stop_at: float, latencies: 
             t0 = time.perf_counter()
             writer.write(request)
             head = await reader.readuntil(b"\r\n\r\n")
-            length = int(re.search(rb"(?i)content-length:\s*(\d+)", head).group(1))
+            match = re.search(rb"(?i)content-length:\s*(\d+)", head)
+            if match is None:
+                raise RuntimeError(f"a response without Content-Length: {head[:200]!r}")
+            length = int(match.group(1))
             body = await reader.readexactly(length)
             if not head.startswith(b"HTTP/1.1 200"):
                 errors.append(head.split(b"\r\n")[0].decode() + " " + body[:200].decode(errors="replace"))
@@ -251,8 +255,8 @@ def machine() -> str:
 
 
 def run(args: argparse.Namespace) -> str:
-    from app.core.jobs import job_key
     from app.embedded_redis import EmbeddedRedis
+    from core import keys
     from tests.support import Processes, free_port, with_db
 
     work = Path(tempfile.mkdtemp(prefix="torchyard-bench-"))
@@ -268,7 +272,7 @@ def run(args: argparse.Namespace) -> str:
 
     client = redis.Redis.from_url(url)
     for job_id, _ in checkpoints.values():
-        client.hset(job_key(job_id), mapping={"id": job_id, "status": "succeeded"})
+        client.hset(keys.job(job_id), mapping={"id": job_id, "status": "succeeded"})
     procs = Processes(url, data_dir, work / "logs", TORCHYARD_HEARTBEAT_INTERVAL_S="1",
                       TORCHYARD_HEARTBEAT_TTL_S="5")
     port = free_port()
@@ -284,7 +288,7 @@ def run(args: argparse.Namespace) -> str:
         if not args.skip_litserve:  # one LitServe per model, started up front and idle while others run
             for model, (_, path) in checkpoints.items():
                 lit_port = free_port()
-                log = open(work / "logs" / f"litserve-{model}.log", "ab")
+                log = open(work / "logs" / f"litserve-{model}.log", "ab")  # noqa: SIM115 - the server's stdout for its life
                 lit_servers[model] = (lit_port, subprocess.Popen(
                     [sys.executable, __file__, "--litserve-server", str(lit_port)], cwd=REPO,
                     env={**os.environ, "BENCH_CHECKPOINT": str(path)}, stdout=log, stderr=subprocess.STDOUT,

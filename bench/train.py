@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.docs import write_section  # noqa: E402 (after the sys.path entry above)
+
 LR, MOMENTUM = 0.001, 0.9
 SERVICE_BATCH = 128  # the service's CPU default
 THREADS_NOTE = ("Why a threads column: when other processes compete for the cores, torch's OpenMP threads wait on each other at every operator. In an earlier run on this machine with a load average near 7 (other test suites running), the tight loop did about 500 img/s with 2 threads and about 4,500 with 1. On a busy shared CPU host, `OMP_NUM_THREADS=1` for the CPU worker can be the faster setting.")

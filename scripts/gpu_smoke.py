@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     log_path = data_dir / "up.log"
     data_dir.mkdir(parents=True, exist_ok=True)
     print(f"torchyard up: data dir {data_dir}, API on 127.0.0.1:{port}, log {log_path}", flush=True)
-    log = open(log_path, "ab")
+    log = open(log_path, "ab")  # noqa: SIM115 - the stack's stdout for its whole life
     up = subprocess.Popen([sys.executable, "-m", "app.cli", "up"], cwd=REPO, env=env, stdout=log,
                           stderr=subprocess.STDOUT, start_new_session=True)
     started: dict[int, psutil.Process] = {}
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
             created = client.post("/jobs", json=spec)
             check(created.status_code == 202, f"POST /jobs {model} accepted ({created.status_code})")
             job_id = created.json()["id"]
-            job = wait_for(lambda: (j := client.get(f"/jobs/{job_id}").json())["status"]
+            job = wait_for(lambda job_id=job_id: (j := client.get(f"/jobs/{job_id}").json())["status"]
                            in ("succeeded", "failed", "cancelled") and j, args.job_timeout, f"job {job_id}")
             check(job["status"] == "succeeded", f"{model} job {job_id} succeeded (error: {job['error']})")
             params = job["params"]

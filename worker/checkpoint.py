@@ -2,8 +2,8 @@
 
 Final weights (model.pt) carry everything needed to rebuild and preprocess:
 architecture, num_classes, channels, image size, normalisation and class names. The resumable
-state (resume.pt) adds optimizer, epoch and RNG state so a redelivered job picks up where it
-left off.
+state (resume-<epoch>.pt, one per epoch of a delivery, recorded with that epoch's metrics) adds
+optimizer, epoch and RNG state so a redelivered job picks up where it left off.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from app.core.storage import atomic_path
+from core.storage import atomic_path
 from models.registry import build_model
 
 FORMAT = "torchyard.checkpoint/1"
@@ -30,13 +30,22 @@ class Preprocessing:
     width: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
+    # Pretrained weights' eval transform: resize the shorter side to this, then centre-crop
+    # (height, width). None: resize straight to (width, height).
+    resize_size: int | None = None
 
-
-# The eval transform of training and of /predict (worker/preprocess.py), spelled out in every
-# checkpoint so a user can reproduce a prediction with PIL and numpy alone.
-TRANSFORM = ("PIL.Image.open → first frame (GIF/WebP) → convert('L' if channels == 1 else 'RGB') → "
-             "resize((width, height), BILINEAR) unless already that size → uint8 array H×W×C → C×H×W → "
-             "float32 / 255 → (x - mean[c]) / std[c] per channel; no crop, no flip")
+    @property
+    def transform(self) -> str:
+        """The eval transform of training and of /predict (worker/preprocess.py), spelled out in
+        every checkpoint so a user can reproduce a prediction with PIL and numpy alone."""
+        if self.resize_size is None:
+            size = "resize((width, height), BILINEAR) unless already that size"
+        else:
+            size = (f"resize so the shorter side is {self.resize_size} (BILINEAR) → centre crop (height, width), "
+                    f"top/left offsets round((size - crop) / 2)")
+        return ("PIL.Image.open → first frame (GIF/WebP) → convert('L' if channels == 1 else 'RGB') → "
+                f"{size} → uint8 array H×W×C → C×H×W → float32 / 255 → (x - mean[c]) / std[c] per channel; "
+                "no random crop, no flip")
 
 
 @dataclass(frozen=True)
@@ -46,12 +55,17 @@ class ModelMeta:
     classes: list[str]
     preprocessing: Preprocessing
     job_id: str
+    # Where the first weights came from: {"init_from": job id, "init_from_sha256", "head"} or
+    # {"pretrained": "ResNet18_Weights.IMAGENET1K_V1", "file", "head"}; None: from scratch.
+    lineage: dict[str, Any] | None = None
+    # How training ended: {"best_epoch", "keep", "stop_reason", "epochs_run"}.
+    training: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["preprocessing"]["mean"] = list(self.preprocessing.mean)
         data["preprocessing"]["std"] = list(self.preprocessing.std)
-        data["preprocessing"]["transform"] = TRANSFORM  # for people reproducing it; not read back
+        data["preprocessing"]["transform"] = self.preprocessing.transform  # for people; not read back
         return data
 
     @classmethod
@@ -62,8 +76,11 @@ class ModelMeta:
             num_classes=int(data["num_classes"]),
             classes=list(data["classes"]),
             preprocessing=Preprocessing(int(pre["channels"]), int(pre["height"]), int(pre["width"]),
-                                        tuple(float(v) for v in pre["mean"]), tuple(float(v) for v in pre["std"])),
+                                        tuple(float(v) for v in pre["mean"]), tuple(float(v) for v in pre["std"]),
+                                        int(pre["resize_size"]) if pre.get("resize_size") else None),
             job_id=data["job_id"],
+            lineage=data.get("lineage"),
+            training=data.get("training"),
         )
 
 

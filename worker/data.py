@@ -10,21 +10,19 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar, Literal
 
 import numpy as np
 import torch
 from PIL import Image
 
-from app.core.config import Settings
-from app.core.datasets import BUILTIN_TORCHVISION, DatasetRecord
-from app.core.storage import atomic_path
+from core.config import Settings
+from core.datasets import BUILTIN_TORCHVISION, FAKE_CLASSES, FAKE_IMAGES, FAKE_PATTERN_SEED, DatasetRecord, split_sizes
+from core.images import IMAGE_FORMATS
+from core.storage import atomic_path
 from worker.preprocess import image_to_array
 
 log = logging.getLogger(__name__)
-
-FAKE_CLASSES = [f"pattern_{k}" for k in range(10)]
-FAKE_IMAGES = 2560
-FAKE_PATTERN_SEED = 1234
 
 
 class DatasetUnavailable(Exception):
@@ -73,20 +71,22 @@ def _torchvision_class(name: str, verify_checksums: bool) -> type:
             return tvd.CIFAR10
 
         class UnverifiedCIFAR10(tvd.CIFAR10):
-            train_list = [[file, None] for file, _ in tvd.CIFAR10.train_list]
-            test_list = [[file, None] for file, _ in tvd.CIFAR10.test_list]
-            meta = {**tvd.CIFAR10.meta, "md5": None}
+            train_list: ClassVar = [[file, None] for file, _ in tvd.CIFAR10.train_list]
+            test_list: ClassVar = [[file, None] for file, _ in tvd.CIFAR10.test_list]
+            meta: ClassVar = {**tvd.CIFAR10.meta, "md5": None}
 
         return UnverifiedCIFAR10
     return {"mnist": tvd.MNIST, "fashion_mnist": tvd.FashionMNIST}[name]
 
 
 def load_torchvision(name: str, root: Path, channels: int, height: int, width: int, *,
-                     download: bool, verify_checksums: bool = True) -> ImageTensors:
-    """Read a built-in's training split through torchvision's dataset class (its format, its checks)."""
+                     download: bool, verify_checksums: bool = True, train: bool = True,
+                     resize_size: int | None = None) -> ImageTensors:
+    """Read a built-in's training (or test) split through torchvision's dataset class (its format,
+    its checks)."""
     cls = _torchvision_class(name, verify_checksums)
     try:
-        dataset = cls(root=str(root), train=True, download=download)
+        dataset = cls(root=str(root), train=train, download=download)
     except Exception as exc:
         where = BUILTIN_TORCHVISION[name].expected_files(root)
         how = "downloading failed" if download else "downloading is off (TORCHYARD_ALLOW_DOWNLOAD=false)"
@@ -94,25 +94,29 @@ def load_torchvision(name: str, root: Path, channels: int, height: int, width: i
                                  f"({how}).") from exc
     data = dataset.data if isinstance(dataset.data, np.ndarray) else dataset.data.numpy()
     labels = torch.as_tensor(np.asarray(dataset.targets), dtype=torch.int64)
-    return ImageTensors(_arrays_to_tensor(data, channels, height, width), labels, list(dataset.classes))
+    return ImageTensors(_arrays_to_tensor(data, channels, height, width, resize_size), labels,
+                        list(dataset.classes))
 
 
-def _arrays_to_tensor(data: np.ndarray, channels: int, height: int, width: int) -> torch.Tensor:
+def _arrays_to_tensor(data: np.ndarray, channels: int, height: int, width: int,
+                      resize_size: int | None = None) -> torch.Tensor:
     """N×H×W(×C) uint8 → N×C×H×W at the target spec, through the same PIL transform as /predict."""
     native_channels = 1 if data.ndim == 3 else data.shape[3]
-    if data.shape[1:3] == (height, width) and native_channels == channels:
+    if data.shape[1:3] == (height, width) and native_channels == channels and resize_size is None:
         chw = data[:, None] if data.ndim == 3 else data.transpose(0, 3, 1, 2)
         return torch.from_numpy(np.ascontiguousarray(chw))
     out = np.empty((len(data), channels, height, width), dtype=np.uint8)
     for i, array in enumerate(data):
-        out[i] = image_to_array(Image.fromarray(array), channels, height, width)
+        out[i] = image_to_array(Image.fromarray(array), channels, height, width, resize_size)
     return torch.from_numpy(out)
 
 
 # ---------------------------------------------------------------------------- uploaded image folders
-def load_image_folder(root: Path, channels: int, height: int, width: int) -> ImageTensors:
+def load_image_folder(root: Path, channels: int, height: int, width: int,
+                      resize_size: int | None = None) -> ImageTensors:
     """Decode an extracted `<class>/<image>` folder once per input spec, cached beside it."""
-    cache = root.parent / f".{root.name}.cache" / f"{channels}x{height}x{width}.pt"
+    spec = f"{channels}x{height}x{width}" + (f"r{resize_size}" if resize_size else "")
+    cache = root.parent / f".{root.name}.cache" / f"{spec}.pt"
     if cache.exists():
         saved = torch.load(cache, weights_only=True)
         return ImageTensors(saved["images"], saved["labels"], list(saved["classes"]))
@@ -122,8 +126,8 @@ def load_image_folder(root: Path, channels: int, height: int, width: int) -> Ima
     for label, name in enumerate(classes):
         for path in sorted((root / name).iterdir()):
             try:
-                with Image.open(path) as image:
-                    arrays.append(image_to_array(image, channels, height, width))
+                with Image.open(path, formats=IMAGE_FORMATS) as image:  # the allowlist (core/images.py)
+                    arrays.append(image_to_array(image, channels, height, width, resize_size))
             except (OSError, ValueError, Image.DecompressionBombError) as exc:
                 log.warning("skipping unreadable image %s: %s", path, exc)
                 continue
@@ -136,23 +140,33 @@ def load_image_folder(root: Path, channels: int, height: int, width: int) -> Ima
     return tensors
 
 
+# The `fake` set's "test split" for evaluations: the same class patterns, noise drawn from a seed
+# no training job uses by default.
+FAKE_TEST_SEED = 2_147_483_647
+
+
 def load_dataset(record: DatasetRecord, settings: Settings, channels: int, height: int, width: int, *,
-                 seed: int = 0) -> ImageTensors:
+                 seed: int = 0, resize_size: int | None = None, split: Literal["train", "test"] = "train") -> ImageTensors:
+    """A dataset's images at the model's input. split="test": torchvision's test split of a built-in,
+    fresh noise for `fake`; an upload has one split, all of its images (`evaluation_split`)."""
     if record.kind == "fake":
-        return load_fake(channels, height, width, seed=seed)
+        return load_fake(channels, height, width, seed=FAKE_TEST_SEED if split == "test" else seed)
     if record.kind == "torchvision":
         return load_torchvision(record.id, settings.builtin_data_dir, channels, height, width,
-                                download=settings.allow_download,
-                                verify_checksums=settings.verify_builtin_checksums)
-    return load_image_folder(settings.datasets_dir / record.id, channels, height, width)
+                                download=settings.allow_download, verify_checksums=settings.verify_builtin_checksums,
+                                train=split == "train", resize_size=resize_size)
+    return load_image_folder(settings.datasets_dir / record.id, channels, height, width, resize_size)
+
+
+def evaluation_split(record: DatasetRecord) -> Literal["test", "all"]:
+    """What an evaluation on `record` measures: a built-in's test split, or all of an upload."""
+    return "all" if record.kind == "upload" else "test"
 
 
 def split(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Seeded train/validation index split."""
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
-    n_val = int(round(n * val_fraction))
-    if val_fraction > 0 and n_val == 0 and n > 1:
-        n_val = 1
+    _, n_val = split_sizes(n, val_fraction)  # the sizes the API checked at submit
     return order[n_val:], order[:n_val]
 
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 
 class PinningError(RuntimeError):
@@ -25,7 +25,7 @@ class PinningError(RuntimeError):
 class DeviceChoice:
     """What `--device` asked for: a GPU index (as the worker's environment numbers it) or the CPU."""
 
-    kind: str  # "cuda" | "cpu"
+    kind: Literal["cuda", "cpu"]
     local_index: int | None
 
     @classmethod
@@ -92,7 +92,7 @@ def _visible_entry(index: int | None, outer: str | None) -> str:
 class WorkerDevice:
     """The device this worker owns, named as the API reports it."""
 
-    kind: str
+    kind: Literal["cuda", "cpu"]
     index: int | None  # physical GPU index (host numbering); None for the CPU
     node: str
 
@@ -142,20 +142,46 @@ def check_cuda(device: WorkerDevice) -> None:
             f"Use --device cpu on a machine without GPUs.")
 
 
-def describe(device: WorkerDevice) -> dict:
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What a heartbeat reads live about its device (the rest of its record is fixed)."""
+
+    name: str
+    memory_total_bytes: int | None
+    memory_used_bytes: int | None
+    utilization_percent: float | None
+
+
+def describe(device: WorkerDevice) -> DeviceInfo:
     """Name, memory and utilisation, read live. Never initialises CUDA in a CPU worker."""
     if device.kind == "cpu":
         import psutil
 
         memory = psutil.virtual_memory()
-        return {"name": _cpu_name(), "memory_total_bytes": memory.total,
-                "memory_used_bytes": memory.total - memory.available,
-                "utilization_percent": psutil.cpu_percent(interval=None)}
+        return DeviceInfo(_cpu_name(), memory.total, memory.total - memory.available,
+                          psutil.cpu_percent(interval=None))
     import torch
 
     free, total = torch.cuda.mem_get_info(0)
-    return {"name": torch.cuda.get_device_name(0), "memory_total_bytes": total,
-            "memory_used_bytes": total - free, "utilization_percent": _nvml_utilization()}
+    return DeviceInfo(torch.cuda.get_device_name(0), total, total - free, _nvml_utilization())
+
+
+_CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))
+
+
+def host_memory_total() -> int:
+    """RAM this process may use: the host's, or less when a cgroup (a container's memory limit) says so."""
+    import psutil
+
+    total = psutil.virtual_memory().total
+    for path in _CGROUP_LIMITS:
+        try:
+            limit = path.read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
 
 
 _nvml_handle: Any = None

@@ -12,25 +12,19 @@ one image and the previous request came more than `max_wait_ms` earlier) runs at
 waiting would only add latency. Under load, requests also pile up while a batch computes and the
 next batch takes them all.
 
-Wire format, both ways JSON on Redis lists. Request (API → `ty:predict:<device id>`):
-`{"job_id", "top_k", "reply_to", "t": queued at (epoch s), "deadline": epoch s, "images":
-[{"filename", "data": base64}]}`. Reply (worker → `reply_to`, TTL 60 s): `"<status> <json body>"`,
-the body of a 200 being the PredictResponse itself, so the API passes it through untouched.
+The messages themselves (request, reply, statuses) are core/wire.py's; the resident models are
+worker/model_cache.py's.
 """
 
 from __future__ import annotations
 
-import base64
 import gc
 import io
-import json
 import logging
 import os
 import threading
 import time
-from collections import OrderedDict, defaultdict
-from dataclasses import dataclass
-from pathlib import Path
+from collections import defaultdict
 from typing import Any
 
 import numpy as np
@@ -38,17 +32,25 @@ import redis
 import torch
 from PIL import Image
 
-from app.core.devices import predict_queue
-from app.core.storage import CheckpointPaths
-from worker.checkpoint import CheckpointError, ModelMeta, load_model
+from core import keys
+from core.schemas import ImagePredictions, Prediction, PredictResponse
+from core.wire import (
+    IMAGE_FORMATS,
+    REPLY_TTL_S,
+    MalformedMessage,
+    PredictReply,
+    PredictRequest,
+    WarmedModel,
+    WarmRequest,
+)
+from worker.checkpoint import CheckpointError, ModelMeta
 from worker.device import WorkerDevice
-from worker.preprocess import image_to_array, normalize, stats_tensors
+from worker.model_cache import ModelCache, ResidentModel
+from worker.preprocess import apply_preprocessing, normalize
 
 log = logging.getLogger(__name__)
 
-REPLY_TTL_S = 60
 POLL_S = 0.0002
-PIL_FORMATS = ("PNG", "JPEG", "WEBP", "BMP", "GIF", "MPO")  # MPO: multi-picture JPEG from cameras
 
 
 class BadImage(Exception):
@@ -57,85 +59,6 @@ class BadImage(Exception):
     def __init__(self, detail: str, status: int = 415) -> None:
         super().__init__(detail)
         self.status = status
-
-
-@dataclass
-class ResidentModel:
-    model: torch.nn.Module
-    meta: ModelMeta
-    mean: torch.Tensor
-    std: torch.Tensor
-    signature: tuple[int, int]  # (mtime_ns, size) of the file it came from
-    nbytes: int
-
-
-class ModelCache:
-    """Checkpoints resident on the device, least recently used evicted past count or bytes.
-
-    A checkpoint file that changed (a job's model.pt rewritten) is noticed by its (mtime, size)
-    signature on the next request and loaded again. Counters are published in the heartbeat
-    (`inference.cache` in GET /devices) so loads, reloads and evictions can be observed."""
-
-    def __init__(self, paths: CheckpointPaths, device: str | torch.device, max_count: int, max_bytes: int) -> None:
-        self.paths = paths
-        self.device = device
-        self.max_count = max_count
-        self.max_bytes = max_bytes
-        self._models: OrderedDict[str, ResidentModel] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.loads = 0
-        self.reloads = 0
-        self.evictions = 0
-
-    def get(self, job_id: str) -> ResidentModel:
-        path = self.paths.final(job_id)
-        try:
-            stat = path.stat()
-        except FileNotFoundError:
-            raise CheckpointError(f"job {job_id} has no checkpoint on this worker's storage ({path})") from None
-        signature = (stat.st_mtime_ns, stat.st_size)
-        with self._lock:
-            entry = self._models.get(job_id)
-            if entry is not None and entry.signature == signature:
-                self._models.move_to_end(job_id)
-                self.hits += 1
-                return entry
-        stale = entry is not None
-        entry = self._load(path, signature)
-        with self._lock:
-            self._models[job_id] = entry
-            self._models.move_to_end(job_id)
-            self.loads += 1
-            self.reloads += stale
-            self._evict()
-        log.info("%s model of job %s (%s, %.1f MB) onto %s", "reloaded changed" if stale else "loaded",
-                 job_id, entry.meta.architecture, entry.nbytes / 1e6, self.device)
-        return entry
-
-    def _load(self, path: Path, signature: tuple[int, int]) -> ResidentModel:
-        model, meta = load_model(path, self.device)  # torch.load(weights_only=True, map_location=device)
-        mean, std = stats_tensors(meta.preprocessing, self.device)
-        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        return ResidentModel(model, meta, mean, std, signature, nbytes)
-
-    def _evict(self) -> None:
-        while len(self._models) > 1 and (
-            len(self._models) > self.max_count or sum(m.nbytes for m in self._models.values()) > self.max_bytes
-        ):
-            evicted, _ = self._models.popitem(last=False)
-            self.evictions += 1
-            log.info("evicted model of job %s from the device cache", evicted)
-
-    def resident(self) -> list[str]:
-        with self._lock:
-            return list(self._models)
-
-    def stats(self) -> dict[str, Any]:
-        with self._lock:
-            return {"resident": len(self._models), "resident_bytes": sum(m.nbytes for m in self._models.values()),
-                    "max_count": self.max_count, "max_bytes": self.max_bytes, "hits": self.hits,
-                    "loads": self.loads, "reloads": self.reloads, "evictions": self.evictions}
 
 
 class InferenceStats:
@@ -169,10 +92,10 @@ def decode_image(data: bytes, meta: ModelMeta, max_pixels: int) -> np.ndarray:
     """Bytes → C×H×W uint8 with the model's recorded preprocessing; any failure is a BadImage."""
     pre = meta.preprocessing
     try:
-        with Image.open(io.BytesIO(data), formats=PIL_FORMATS) as image:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
             if image.width * image.height > max_pixels:
                 raise BadImage(f"image has {image.width * image.height} pixels, over the limit of {max_pixels}", 413)
-            return image_to_array(image, pre.channels, pre.height, pre.width)
+            return apply_preprocessing(image, pre)
     except BadImage:
         raise
     except Image.DecompressionBombError as exc:
@@ -197,12 +120,13 @@ class InferenceServer(threading.Thread):
             # thread that has not run a parallel op yet the count last set by *any* thread, and the
             # inference thread is about to set a smaller one for itself.
             torch.get_num_threads()
-        self.queue = predict_queue(device.id)
+        self.queue = keys.predict_queue(device.id)
         self.stats = InferenceStats(cache)
         self._halt = threading.Event()
-        self._stream = None
+        self._stream: Any = None
         self._last_arrival = 0.0  # when the API queued the latest request seen (epoch s)
         self._last_batch = 0  # images in the latest batch collected
+        self._warms: list[WarmRequest] = []  # taken off the list with the requests, served after them
 
     def run(self) -> None:
         # The worker's imports, Celery and torch state live as long as the process: keep them out
@@ -220,6 +144,8 @@ class InferenceServer(threading.Thread):
                 requests = self._collect()
                 if requests:
                     self._serve(requests)
+                if self._warms:
+                    self._serve_warms()
             except redis.RedisError:
                 log.warning("inference: Redis unavailable; retrying", exc_info=True)
                 self._halt.wait(0.5)
@@ -230,12 +156,12 @@ class InferenceServer(threading.Thread):
         self._halt.set()
 
     # ------------------------------------------------------------------ batching
-    def _collect(self) -> list[dict[str, Any]]:
+    def _collect(self) -> list[PredictRequest]:
         """Block for a first request, take what is queued, then maybe wait out the batching window."""
         first = self.redis.blpop([self.queue], timeout=1)
         if first is None:
             return []
-        requests: list[dict[str, Any]] = []
+        requests: list[PredictRequest] = []
         images = self._add(requests, [first[1]])
         if not requests:
             return []
@@ -243,7 +169,7 @@ class InferenceServer(threading.Thread):
             images += self._add(requests, self.redis.lpop(self.queue, self.max_batch) or [])
         if images < self.max_batch and self._worth_waiting(requests):
             # The window is timed from when the API queued the first request, not from now.
-            remaining = requests[0].get("t", time.time()) + self.max_wait_s - time.time()
+            remaining = requests[0].queued_at + self.max_wait_s - time.time()
             deadline = time.monotonic() + min(max(remaining, 0.0), self.max_wait_s)
             # Poll rather than BLPOP: Redis enforces blocking timeouts only every 1/hz (100 ms by
             # default), far coarser than a batching window of a few milliseconds.
@@ -251,33 +177,39 @@ class InferenceServer(threading.Thread):
                 time.sleep(POLL_S)
                 images += self._add(requests, self.redis.lpop(self.queue, self.max_batch) or [])
         self._last_batch = images
-        self._last_arrival = max(r.get("t", 0.0) for r in requests)
+        self._last_arrival = max(r.queued_at for r in requests)
         return requests
 
-    def _worth_waiting(self, requests: list[dict[str, Any]]) -> bool:
+    def _worth_waiting(self, requests: list[PredictRequest]) -> bool:
         if len(requests) > 1 or self._last_batch > 1:
             return True
-        return requests[0].get("t", 0.0) - self._last_arrival < self.max_wait_s
+        return requests[0].queued_at - self._last_arrival < self.max_wait_s
 
-    def _add(self, requests: list[dict[str, Any]], raw: list[str]) -> int:
+    def _add(self, requests: list[PredictRequest], raw: list[str]) -> int:
         images = 0
         for item in raw:
-            try:
-                request = json.loads(item)
-                images += len(request["images"])
-            except (ValueError, KeyError, TypeError):
-                log.warning("dropped a malformed prediction request: %.200r", item)
+            if WarmRequest.is_warm(item):
+                try:
+                    self._warms.append(WarmRequest.decode(item))
+                except MalformedMessage as exc:
+                    log.warning("dropped a malformed warm request (%s): %.200r", exc, item)
                 continue
+            try:
+                request = PredictRequest.decode(item)
+            except MalformedMessage as exc:
+                log.warning("dropped a malformed prediction request (%s): %.200r", exc, item)
+                continue
+            images += len(request.images)
             requests.append(request)
         return images
 
-    def _serve(self, requests: list[dict[str, Any]]) -> None:
+    def _serve(self, requests: list[PredictRequest]) -> None:
         now = time.time()
-        by_job: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        by_job: dict[str, list[PredictRequest]] = defaultdict(list)
         for request in requests:
-            if request.get("deadline", now + 1) < now:
+            if request.deadline < now:
                 continue  # the caller has given up already
-            by_job[request["job_id"]].append(request)
+            by_job[request.job_id].append(request)
         for job_id, group in by_job.items():
             try:
                 self._serve_model(job_id, group)
@@ -287,7 +219,7 @@ class InferenceServer(threading.Thread):
                 for request in group:
                     self._reply_error(request, 503, f"inference failed on {self.device.id}: {exc}")
 
-    def _serve_model(self, job_id: str, group: list[dict[str, Any]]) -> None:
+    def _serve_model(self, job_id: str, group: list[PredictRequest]) -> None:
         try:
             entry = self.cache.get(job_id)
         except CheckpointError as exc:
@@ -295,14 +227,14 @@ class InferenceServer(threading.Thread):
                 self._reply_error(request, 409, str(exc))
             return
         arrays: list[np.ndarray] = []
-        owners: list[tuple[dict[str, Any], int]] = []  # request, index of its first image
+        owners: list[tuple[PredictRequest, int]] = []  # request, index of its first image
         for request in group:
             decoded = []
-            for image in request["images"]:
+            for image in request.images:
                 try:
-                    decoded.append(decode_image(base64.b64decode(image["data"]), entry.meta, self.max_pixels))
+                    decoded.append(decode_image(image.data, entry.meta, self.max_pixels))
                 except BadImage as exc:  # the whole request is refused, naming the file at fault
-                    self._reply_error(request, exc.status, f"{image.get('filename') or 'image'}: {exc}")
+                    self._reply_error(request, exc.status, f"{image.filename or 'image'}: {exc}")
                     break
             else:
                 owners.append((request, len(arrays)))
@@ -314,13 +246,14 @@ class InferenceServer(threading.Thread):
         classes = entry.meta.classes
         pipe = self.redis.pipeline(transaction=False)
         for request, begin in owners:
-            top_k = max(1, min(int(request.get("top_k", 5)), entry.meta.num_classes))
-            values, indices = probabilities[begin:begin + len(request["images"])].topk(top_k, dim=1)
-            results = [{"filename": image.get("filename"), "predictions": [
-                {"label": classes[i], "index": i, "probability": p} for p, i in zip(ps, ix, strict=True)]}
-                for image, ps, ix in zip(request["images"], values.tolist(), indices.tolist(), strict=True)]
-            body = {"job_id": job_id, "model": entry.meta.architecture, "device": self.device.id, "results": results}
-            self._queue_reply(pipe, request, 200, body)
+            top_k = min(request.top_k, entry.meta.num_classes)
+            values, indices = probabilities[begin:begin + len(request.images)].topk(top_k, dim=1)
+            results = [ImagePredictions(filename=image.filename, predictions=[
+                Prediction(label=classes[i], index=i, probability=p) for p, i in zip(ps, ix, strict=True)])
+                for image, ps, ix in zip(request.images, values.tolist(), indices.tolist(), strict=True)]
+            response = PredictResponse(job_id=job_id, model=entry.meta.architecture, device=self.device.id,
+                                       results=results)
+            self._queue_reply(pipe, request, PredictReply.ok(response))
         pipe.execute()
 
     def _forward(self, entry: ResidentModel, arrays: list[np.ndarray]) -> torch.Tensor:
@@ -337,12 +270,34 @@ class InferenceServer(threading.Thread):
         self.stats.record(len(arrays))
         return out
 
-    @staticmethod
-    def _queue_reply(pipe: Any, request: dict[str, Any], status: int, body: dict[str, Any]) -> None:
-        pipe.rpush(request["reply_to"], f"{status} {json.dumps(body)}")
-        pipe.expire(request["reply_to"], REPLY_TTL_S)
+    def _serve_warms(self) -> None:
+        """Load each warmed job's model (an alias is about to move to it) and say when it is resident."""
+        warms, self._warms = self._warms, []
+        for warm in warms:
+            if warm.deadline < time.time():
+                continue  # the caller has given up already
+            started = time.perf_counter()
+            loaded = warm.job_id not in self.cache.resident()
+            try:
+                self.cache.get(warm.job_id)
+                reply = PredictReply(200, WarmedModel(job_id=warm.job_id, device=self.device.id, loaded=loaded,
+                                                      seconds=round(time.perf_counter() - started, 4)).model_dump_json())
+            except CheckpointError as exc:
+                reply = PredictReply.error(409, str(exc))
+            except Exception as exc:
+                log.exception("warming job %s failed", warm.job_id)
+                reply = PredictReply.error(503, f"loading failed on {self.device.id}: {exc}")
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.rpush(warm.reply_to, reply.encode())
+            pipe.expire(warm.reply_to, REPLY_TTL_S)
+            pipe.execute()
 
-    def _reply_error(self, request: dict[str, Any], status: int, detail: str) -> None:
+    @staticmethod
+    def _queue_reply(pipe: Any, request: PredictRequest, reply: PredictReply) -> None:
+        pipe.rpush(request.reply_to, reply.encode())
+        pipe.expire(request.reply_to, REPLY_TTL_S)
+
+    def _reply_error(self, request: PredictRequest, status: int, detail: str) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        self._queue_reply(pipe, request, status, {"detail": detail})
+        self._queue_reply(pipe, request, PredictReply.error(status, detail))
         pipe.execute()

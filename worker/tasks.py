@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from celery import shared_task
 
-from worker.celery_app import TRAIN_TASK
-from worker.runtime import current_runtime
+from core.queue import TRAIN_TASK
+from worker.main import current_runtime
 
 
 @shared_task(name=TRAIN_TASK, ignore_result=True)

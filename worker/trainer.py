@@ -1,59 +1,65 @@
-"""The training loop on one device: tensors resident, batches sliced in place, per-epoch
-metrics and resumable checkpoints.
+"""The training loop on one device: batches from resident or staged data, per-image augmentation,
+the recipe (schedule, weight decay, label smoothing, mixed precision where native), per-epoch
+validation with early stopping, the best epoch's weights kept, resumable checkpoints, and a
+smaller micro-batch when the GPU runs out of memory.
 
-The loop knows nothing about Redis or Celery: it reports through a `TrainingReporter` and asks
+The loop knows nothing about Redis or Celery: it reports through a `JobReporter` and asks
 `should_stop()` every step, which is how cancellation, a lost lease and worker shutdown reach it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from app.core.schemas import EpochMetrics, Progress
-from app.core.training import DEFAULT_LR
+from core.params import DEFAULT_BATCH_SIZE, TrainingParams, schedule_for
+from core.schemas import EpochMetrics, EvaluationResult, Progress
 from models.registry import build_model
+from worker import init_weights
+from worker.augment import random_crop_flip
+from worker.backoff import BatchBackoff
 from worker.checkpoint import ModelMeta, Preprocessing, load_payload, save_model, save_resume_state
 from worker.data import ImageTensors, split
+from worker.evaluation import EVAL_BATCH, Measured, measure
+from worker.init_weights import InitialWeights
+from worker.job_context import JobReporter, StopJob
 from worker.preprocess import channel_stats, normalize, stats_tensors
+from worker.recipe import (
+    EarlyStopping,
+    Score,
+    autocast,
+    build_scheduler,
+    choose_precision,
+    current_lr,
+    grad_scaler,
+    make_optimizer,
+)
+from worker.staging import STAGING_BUFFERS, Batches, ResidentBatches, StagedBatches
 
 log = logging.getLogger(__name__)
 
 
 PROGRESS_EVERY_S = 0.5
-
-
-class StopTraining(Exception):
-    """Raised inside the loop when the job must stop now (reason: cancelled, shutdown, lease_lost)."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+# The split stays on the GPU when it takes less than this share of the free memory; the rest is
+# for the model, its activations and the worker's /predict models.
+RESIDENT_SHARE = 0.4
 
 
 class NonFiniteLoss(Exception):
     pass
 
 
-class TrainingReporter(Protocol):
-    def progress(self, progress: Progress) -> None: ...
-    def epoch(self, metrics: EpochMetrics) -> None: ...
-    def resumed(self, epoch: int) -> None: ...
-
-
 @dataclass(frozen=True)
 class TrainingPlan:
-    """Resolved, device-aware settings of one run (what goes into the job's params)."""
+    """One run: the job's stored params plus this device's choices (recorded in the job's params)."""
 
     job_id: str
     architecture: str
@@ -67,14 +73,23 @@ class TrainingPlan:
     height: int
     width: int
     augment: bool
+    schedule: str
+    warmup_fraction: float
+    weight_decay: float
+    label_smoothing: float
+    patience: int
+    monitor: str
+    keep: str
     device: str
     amp_dtype: str | None
+    grad_scaler: bool
     channels_last: bool
     cudnn_benchmark: bool
     data_on_device: bool
-    pinned_memory: bool
+    staging_buffers: int  # pinned staging buffers a streamed split goes through (0: resident)
 
     def as_params(self) -> dict[str, Any]:
+        """What the job's params record: the stored ones plus the device's choices."""
         return {k: v for k, v in self.__dict__.items() if k not in ("job_id", "architecture")}
 
 
@@ -83,116 +98,142 @@ class TrainingResult:
     meta: ModelMeta
     final_path: Path
     metrics: list[EpochMetrics]
+    best_epoch: int | None  # the epoch whose weights final_path holds
+    stop_reason: str
+    validation: EvaluationResult | None  # the validation split on those weights
 
 
-def plan_training(job_id: str, architecture: str, params: dict[str, Any], data: ImageTensors,
+def plan_training(job_id: str, architecture: str, params: TrainingParams, data: ImageTensors,
                   device: torch.device, channels: int, height: int, width: int) -> TrainingPlan:
-    """Pick the fast path for this device and record every choice."""
+    """Add this device's choices to the job's stored params: the fast path, every choice recorded."""
     cuda = device.type == "cuda"
-    batch_size = params.get("batch_size") or (256 if cuda else 128)
-    optimizer = params.get("optimizer", "adam")
-    bf16 = cuda and torch.cuda.is_bf16_supported()
-    data_bytes = data.images.numel()
-    on_device = False
+    batch_size = params.batch_size or DEFAULT_BATCH_SIZE[device.type]
+    precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None)
+    n_train = len(data.labels) - len(split(len(data.labels), params.val_fraction, params.seed)[1])
+    steps = len(batch_bounds(n_train, batch_size)) * params.epochs
+    on_device = True  # a CPU worker's "device" memory is the host's
     if cuda:
         free, _ = torch.cuda.mem_get_info(device)
-        on_device = data_bytes < 0.4 * free
+        on_device = data.images.numel() < RESIDENT_SHARE * free
     return TrainingPlan(
-        job_id=job_id, architecture=architecture, epochs=int(params["epochs"]), batch_size=int(batch_size),
-        learning_rate=float(params.get("learning_rate") or DEFAULT_LR[optimizer]), optimizer=optimizer,
-        seed=int(params.get("seed", 0)), val_fraction=float(params.get("val_fraction", 0.1)),
-        channels=channels, height=height, width=width, augment=bool(params.get("augment", False)),
-        device=str(device), amp_dtype="bfloat16" if bf16 else None, channels_last=cuda,
-        cudnn_benchmark=cuda, data_on_device=on_device or not cuda, pinned_memory=cuda and not on_device,
+        job_id=job_id, architecture=architecture, epochs=params.epochs, batch_size=batch_size,
+        learning_rate=params.learning_rate, optimizer=params.optimizer, seed=params.seed,
+        val_fraction=params.val_fraction, channels=channels, height=height, width=width, augment=params.augment,
+        schedule=schedule_for(params, steps), warmup_fraction=params.warmup_fraction, weight_decay=params.decay,
+        label_smoothing=params.label_smoothing, patience=params.patience, monitor=params.monitor, keep=params.keep,
+        device=str(device), amp_dtype=precision.amp_dtype, grad_scaler=precision.grad_scaler, channels_last=cuda,
+        cudnn_benchmark=cuda, data_on_device=on_device, staging_buffers=0 if on_device else STAGING_BUFFERS,
     )
 
 
-def _make_optimizer(plan: TrainingPlan, model: nn.Module) -> torch.optim.Optimizer:
-    if plan.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=plan.learning_rate, momentum=0.9)
-    if plan.optimizer == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=plan.learning_rate, weight_decay=0.01)
-    return torch.optim.Adam(model.parameters(), lr=plan.learning_rate)
+def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
+    """An epoch's batches: `batch_size` each, the last one shorter; a last batch of a single image
+    joins the one before (BatchNorm cannot normalise a batch of one in training mode)."""
+    bounds = [(begin, min(begin + batch_size, n)) for begin in range(0, n, batch_size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
+        bounds[-2:] = [(bounds[-2][0], n)]
+    return bounds
 
 
-def _augment(batch: torch.Tensor, generator: torch.Generator, crop_generator: torch.Generator) -> torch.Tensor:
-    """Random horizontal flip and 4-pixel-padded random crop, on whatever device the batch is.
-    The crop offset comes from a CPU generator: drawing it on the GPU would sync every step."""
-    n, _, h, w = batch.shape
-    flip = torch.rand(n, device=batch.device, generator=generator) < 0.5
-    batch = torch.where(flip[:, None, None, None], batch.flip(3), batch)
-    padded = F.pad(batch, (4, 4, 4, 4), mode="reflect")
-    dx, dy = (int(v) for v in torch.randint(0, 9, (2,), generator=crop_generator))
-    return padded[:, :, dy:dy + h, dx:dx + w]
+def micro_batches(total: int, size: int) -> Iterator[tuple[int, int]]:
+    """`total` images in passes of at most `size`, as even as possible (never a stray pass of one)."""
+    passes = -(-total // max(1, size))
+    per_pass = -(-total // passes)
+    for begin in range(0, total, per_pass):
+        yield begin, min(begin + per_pass, total)
+
+
+@dataclass
+class _Best:
+    epoch: int
+    state_dict: dict[str, torch.Tensor]  # on the CPU
+    measured: Measured
 
 
 class Trainer:
-    def __init__(self, plan: TrainingPlan, data: ImageTensors, *, final_path: Path, resume_path: Path,
-                 reporter: TrainingReporter, should_stop: Callable[[], str | None]) -> None:
+    def __init__(self, plan: TrainingPlan, data: ImageTensors, *, final_path: Path, resume_from: Path | None,
+                 resume_to: Callable[[int], Path], reporter: JobReporter, should_stop: Callable[[], str | None],
+                 dataset: str = "", initial: InitialWeights | None = None, resize_size: int | None = None) -> None:
         self.plan = plan
         self.data = data
         self.final_path = final_path
-        self.resume_path = resume_path
+        # Resume state: read from where the last recorded epoch's was recorded (if any); each
+        # epoch's written to a file of its own, recorded with that epoch's metrics (reporter.epoch).
+        self.resume_from = resume_from
+        self.resume_to = resume_to
         self.reporter = reporter
         self.should_stop = should_stop
+        self.dataset = dataset
+        self.initial = initial
+        self.resize_size = resize_size
         self.device = torch.device(plan.device)
 
+    # ------------------------------------------------------------------ the run
     def run(self) -> TrainingResult:
         plan, device = self.plan, self.device
         torch.manual_seed(plan.seed)
         if plan.cudnn_benchmark:
             torch.backends.cudnn.benchmark = True
 
+        classes = self.data.classes
         train_idx, val_idx = split(len(self.data.labels), plan.val_fraction, plan.seed)
-        mean, std = channel_stats(self.data.images[train_idx])
-        pre = Preprocessing(plan.channels, plan.height, plan.width, tuple(mean), tuple(std))
-        meta = ModelMeta(plan.architecture, len(self.data.classes), self.data.classes, pre, plan.job_id)
-
-        images, labels = self._place(self.data.images[train_idx]), self._place(self.data.labels[train_idx])
-        val_images, val_labels = self._place(self.data.images[val_idx]), self._place(self.data.labels[val_idx])
+        pre = self._preprocessing(train_idx)
         mean_t, std_t = stats_tensors(pre, device)
+        train = self._batches(train_idx, plan.batch_size)
+        val = self._batches(val_idx, max(plan.batch_size, EVAL_BATCH))
 
-        model = build_model(plan.architecture, meta.num_classes, plan.channels).to(device)
+        model = build_model(plan.architecture, len(classes), plan.channels)
+        lineage = None
+        if self.initial is not None:
+            head = init_weights.apply(model, plan.architecture, self.initial, classes)
+            lineage = {**self.initial.lineage, "head": head}
+        model = model.to(device)
         if plan.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        optimizer = _make_optimizer(plan, model)
-        loss_fn = nn.CrossEntropyLoss().to(device)
+        meta = ModelMeta(plan.architecture, len(classes), classes, pre, plan.job_id, lineage=lineage)
+
+        n = len(train)
+        bounds = batch_bounds(n, plan.batch_size)
+        steps = len(bounds)
+        optimizer = make_optimizer(model, plan.optimizer, plan.learning_rate, plan.weight_decay)
+        scheduler = build_scheduler(optimizer, plan.schedule, total_steps=plan.epochs * steps,
+                                    warmup_fraction=plan.warmup_fraction, peak_lr=plan.learning_rate)
+        scaler = grad_scaler(device, plan.grad_scaler)
+        loss_fn = nn.CrossEntropyLoss(label_smoothing=plan.label_smoothing).to(device)
+        backoff = self._backoff(plan.batch_size, "training")
+        eval_backoff = self._backoff(max(plan.batch_size, EVAL_BATCH), "validation")
+        stopper = EarlyStopping(plan.monitor, plan.patience)
         history: list[EpochMetrics] = []
-        start_epoch = self._resume(model, optimizer, history)
+        resumed = self._resume(model, optimizer, scheduler, scaler, stopper, backoff, history)
+        start_epoch, best, stop_reason = resumed
         if start_epoch > 1:
             self.reporter.resumed(start_epoch - 1)
 
-        n = len(labels)
-        steps = math.ceil(n / plan.batch_size)
+        last_measured: Measured | None = None
+        epoch = start_epoch - 1
         for epoch in range(start_epoch, plan.epochs + 1):
+            if stop_reason is not None:  # an earlier delivery stopped early and died before saving
+                break
             # The order depends only on (seed, epoch), so a resumed job sees the same batches.
-            index_gen = torch.Generator(device=images.device).manual_seed(plan.seed * 100_003 + epoch)
-            order = torch.randperm(n, device=images.device, generator=index_gen)
+            index_gen = torch.Generator(device=train.index_device).manual_seed(plan.seed * 100_003 + epoch)
+            order = torch.randperm(n, device=train.index_device, generator=index_gen)
             aug_gen = torch.Generator(device=device).manual_seed(plan.seed * 100_003 + epoch + 1)
-            crop_gen = torch.Generator().manual_seed(plan.seed * 100_003 + epoch + 2)
             model.train()
             loss_sum = torch.zeros((), device=device)
             correct = torch.zeros((), device=device, dtype=torch.int64)
+            step_lr = current_lr(optimizer)
             started = last_report = time.perf_counter()
-            for step, begin in enumerate(range(0, n, plan.batch_size), start=1):
+            for step, (begin, end) in enumerate(bounds, start=1):
                 if (reason := self.should_stop()) is not None:
-                    raise StopTraining(reason)
-                idx = order[begin:begin + plan.batch_size]
-                x = self._gather(images, idx, step)
-                y = self._to_device(labels[idx])
-                x = normalize(x, mean_t, std_t)
-                if plan.augment:
-                    x = _augment(x, aug_gen, crop_gen)
-                if plan.channels_last:
-                    x = x.contiguous(memory_format=torch.channels_last)
-                with self._autocast():
-                    logits = model(x)
-                    loss = loss_fn(logits.float(), y)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                loss_sum += loss.detach() * len(y)
-                correct += (logits.argmax(1) == y).sum()
+                    raise StopJob(reason)
+                x, y = train.take(order[begin:end])
+                step_loss, step_correct = self._step(model, optimizer, scaler, loss_fn, x, y, aug_gen,
+                                                     mean_t, std_t, backoff)
+                step_lr = current_lr(optimizer)  # what this step used (the scheduler moves on below)
+                if scheduler is not None:
+                    scheduler.step()
+                loss_sum += step_loss
+                correct += step_correct
                 if time.perf_counter() - last_report >= PROGRESS_EVERY_S:
                     last_report = time.perf_counter()
                     self.reporter.progress(Progress(epoch=epoch, epochs=plan.epochs, step=step, steps=steps))
@@ -203,106 +244,176 @@ class Trainer:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - started
-            val_loss, val_acc, per_class = self._evaluate(model, val_images, val_labels, mean_t, std_t, meta.classes)
+            measured = measure(model, val, len(classes), mean=mean_t, std=std_t, device=device,
+                               channels_last=plan.channels_last, autocast=self._autocast, backoff=eval_backoff,
+                               batch_size=eval_backoff.size, should_stop=self.should_stop)
+            last_measured = measured
+            if measured is not None and stopper.update(epoch, Score(measured.accuracy, measured.loss)):
+                best = _Best(epoch, _cpu_copy(model), measured)
+            if stopper.should_stop and epoch < plan.epochs:
+                stop_reason = stopper.reason()
+            final_epoch = epoch == plan.epochs or stop_reason is not None
             metrics = EpochMetrics(
                 epoch=epoch, train_loss=round(train_loss, 6), train_accuracy=round(int(correct) / n, 6),
-                val_loss=val_loss, val_accuracy=val_acc, images_per_second=round(n / seconds, 1),
-                seconds=round(seconds, 3), per_class_accuracy=per_class,
+                val_loss=measured.loss if measured else None, val_accuracy=measured.accuracy if measured else None,
+                images_per_second=round(n / seconds, 1), seconds=round(seconds, 3),
+                per_class_accuracy=measured.per_class_accuracy(classes) if measured else None,
+                confusion_matrix=measured.confusion_list() if measured and final_epoch else None,
+                learning_rate=step_lr,
             )
             history.append(metrics)
-            self._save_resume(model, optimizer, epoch, history)
-            self.reporter.epoch(metrics)
+            resume = self._save_resume(model, optimizer, scheduler, scaler, stopper, backoff, epoch, history, best,
+                                       stop_reason)
+            self.reporter.epoch(metrics, resume)
             self.reporter.progress(Progress(epoch=epoch, epochs=plan.epochs, step=steps, steps=steps))
+            if stop_reason is not None:
+                self.reporter.notice("early_stop", {"epoch": epoch, "best_epoch": stopper.best_epoch}, stop_reason)
+                break
+        epochs_run = history[-1].epoch if history else epoch
+        stop_reason = stop_reason or f"completed {epochs_run} epochs"
+
+        kept_epoch, kept = epochs_run, last_measured
+        if plan.keep == "best" and best is not None:
+            model.load_state_dict(best.state_dict)
+            kept_epoch, kept = best.epoch, best.measured
+        elif kept is None and best is not None and best.epoch == epochs_run:
+            kept = best.measured  # resumed after the last epoch's checkpoint: its validation is in resume.pt
+        meta = replace(meta, training={"best_epoch": kept_epoch, "keep": plan.keep, "stop_reason": stop_reason,
+                                       "epochs_run": epochs_run})
         save_model(self.final_path, model, meta)
-        return TrainingResult(meta, self.final_path, history)
+        validation = kept.result(classes, self.dataset, "validation", kept_epoch) if kept is not None else None
+        return TrainingResult(meta, self.final_path, history, kept_epoch, stop_reason, validation)
 
-    # ------------------------------------------------------------------ placement
-    def _place(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Whole split on the device when it fits; otherwise pinned host memory for async copies."""
-        if self.plan.data_on_device:
-            return tensor.to(self.device)
-        return tensor.pin_memory() if self.plan.pinned_memory else tensor
+    # ------------------------------------------------------------------ one step
+    def _step(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+              loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor, aug_gen: torch.Generator, mean: torch.Tensor,
+              std: torch.Tensor, backoff: BatchBackoff) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over the batch, in micro-batches of `backoff.size` whose gradients
+        accumulate; on a CUDA out-of-memory error the step starts over with smaller ones."""
+        while True:
+            error = None
+            try:
+                result = self._accumulate(model, optimizer, scaler, loss_fn, x, y, aug_gen, mean, std, backoff.size)
+                backoff.succeeded()
+                return result
+            except torch.OutOfMemoryError as exc:
+                error = str(exc)
+            # Outside the except clause: its traceback (and the failed pass's tensors) is released.
+            optimizer.zero_grad(set_to_none=True)
+            backoff.out_of_memory(error)
 
-    def _gather(self, images: torch.Tensor, idx: torch.Tensor, step: int) -> torch.Tensor:
-        """A shuffled batch on the device. Host-resident data is gathered into one of two pinned
-        staging buffers and copied asynchronously; an event guards each buffer's reuse."""
-        if images.device == self.device:
-            return images[idx]
-        if not self.plan.pinned_memory:
-            return images[idx].to(self.device)
-        if not hasattr(self, "_staging"):
-            shape = (self.plan.batch_size, *images.shape[1:])
-            self._staging = [torch.empty(shape, dtype=images.dtype).pin_memory() for _ in range(2)]
-            self._staged = [None, None]
-        slot = step % 2
-        if self._staged[slot] is not None:
-            self._staged[slot].synchronize()
-        buffer = self._staging[slot][: len(idx)]
-        torch.index_select(images, 0, idx, out=buffer)
-        on_device = buffer.to(self.device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._staged[slot] = event
-        return on_device
-
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device == self.device:
-            return tensor
-        return tensor.to(self.device, non_blocking=True)
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        if self.plan.amp_dtype:
-            return torch.autocast(device_type="cuda", dtype=getattr(torch, self.plan.amp_dtype))
-        return contextlib.nullcontext()
-
-    # ------------------------------------------------------------------ evaluation
-    @torch.inference_mode()
-    def _evaluate(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean: torch.Tensor,
-                  std: torch.Tensor, classes: list[str]) -> tuple[float | None, float | None, dict[str, float] | None]:
-        if len(labels) == 0:
-            return None, None, None
-        model.eval()
-        num_classes = len(classes)
-        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
-        hits = torch.zeros(num_classes, device=self.device, dtype=torch.int64)
-        totals = torch.zeros(num_classes, device=self.device, dtype=torch.int64)
-        batch = max(self.plan.batch_size, 256)
-        for begin in range(0, len(labels), batch):
-            x = normalize(self._to_device(images[begin:begin + batch]), mean, std)
-            y = self._to_device(labels[begin:begin + batch])
+    def _accumulate(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                    loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor, aug_gen: torch.Generator,
+                    mean: torch.Tensor, std: torch.Tensor, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=self.device)
+        correct = torch.zeros((), device=self.device, dtype=torch.int64)
+        total = len(y)
+        scaled = scaler.is_enabled()
+        for begin, end in micro_batches(total, micro):
+            xb, yb = x[begin:end], y[begin:end]
+            if self.plan.augment:
+                xb = random_crop_flip(xb, aug_gen)
+            xb = normalize(xb, mean, std)
             if self.plan.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
+                xb = xb.contiguous(memory_format=torch.channels_last)
             with self._autocast():
-                logits = model(x).float()
-            loss_sum += F.cross_entropy(logits, y, reduction="sum").double()
-            right = logits.argmax(1) == y
-            totals += torch.bincount(y, minlength=num_classes)
-            hits += torch.bincount(y[right], minlength=num_classes)
-        total = int(totals.sum())
-        per_class = {name: round(int(h) / int(t), 4) for name, h, t in zip(classes, hits, totals, strict=True) if int(t)}
-        return round(float(loss_sum) / total, 6), round(int(hits.sum()) / total, 6), per_class
+                logits = model(xb)
+                loss = loss_fn(logits.float(), yb)
+            share = loss if end - begin == total else loss * ((end - begin) / total)
+            (scaler.scale(share) if scaled else share).backward()
+            loss_sum += loss.detach() * (end - begin)
+            correct += (logits.argmax(1) == yb).sum()
+        if scaled:
+            scaler.step(optimizer)
+            scaler.update()
+        else:  # what a disabled scaler would do, without its per-step Python (the CPU's path)
+            optimizer.step()
+        return loss_sum, correct
+
+    # ------------------------------------------------------------------ pieces
+    def _preprocessing(self, train_idx: torch.Tensor) -> Preprocessing:
+        """The normalisation the weights expect: the starting weights' own when there are some (ImageNet's
+        for pretrained, the parent job's for init_from), else the training split's statistics."""
+        plan = self.plan
+        if self.initial is not None:
+            return Preprocessing(plan.channels, plan.height, plan.width, self.initial.mean, self.initial.std,
+                                 self.resize_size)
+        mean, std = channel_stats(self.data.images[train_idx])
+        return Preprocessing(plan.channels, plan.height, plan.width, tuple(mean), tuple(std), self.resize_size)
+
+    def _batches(self, index: torch.Tensor, capacity: int) -> Batches:
+        images, labels = self.data.images[index], self.data.labels[index]
+        if self.plan.data_on_device:
+            return ResidentBatches(images, labels, self.device)
+        return StagedBatches(images, labels, self.device, capacity, buffers=self.plan.staging_buffers)
+
+    def _backoff(self, size: int, what: str) -> BatchBackoff:
+        def notify(message: str, data: dict[str, Any]) -> None:
+            log.warning("job %s: %s", self.plan.job_id, message)
+            self.reporter.notice("batch_backoff", data, message)
+
+        def release() -> None:
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+        return BatchBackoff(size, what, notify=notify, release=release)
+
+    def _autocast(self) -> Any:
+        return autocast(self.device, self.plan.amp_dtype)
 
     # ------------------------------------------------------------------ resume
-    def _save_resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int,
-                     history: list[EpochMetrics]) -> None:
+    def _save_resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                     scaler: torch.amp.GradScaler, stopper: EarlyStopping, backoff: BatchBackoff, epoch: int,
+                     history: list[EpochMetrics], best: _Best | None, stop_reason: str | None) -> Path:
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        save_resume_state(self.resume_path, {
-            "epoch": epoch, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng,
-            "metrics": [m.model_dump() for m in history],
+        path = self.resume_to(epoch)
+        save_resume_state(path, {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None, "scaler": scaler.state_dict(),
+            "stopper": stopper.state_dict(), "micro_batch": backoff.size, "stop_reason": stop_reason,
+            "best": None if best is None else {"epoch": best.epoch, "state_dict": best.state_dict,
+                                               "loss": best.measured.loss, "accuracy": best.measured.accuracy,
+                                               "num_images": best.measured.num_images,
+                                               "confusion": best.measured.confusion},
+            "epoch": epoch, "rng": rng, "metrics": [m.model_dump() for m in history],
         })
+        return path
 
-    def _resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, history: list[EpochMetrics]) -> int:
-        """Continue after the last finished epoch of an earlier delivery, if there was one."""
-        if not self.resume_path.exists():
-            return 1
-        state = load_payload(self.resume_path, map_location=self.device)
+    def _resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                scaler: torch.amp.GradScaler, stopper: EarlyStopping, backoff: BatchBackoff,
+                history: list[EpochMetrics]) -> tuple[int, _Best | None, str | None]:
+        """(the first epoch to run, the best epoch so far, why an earlier delivery stopped early):
+        after the last finished epoch of an earlier delivery, if there was one. A resume.pt written
+        before the recipe existed has no scheduler, scaler or best state: its job ran without them."""
+        if self.resume_from is None:
+            return 1, None, None
+        state = load_payload(self.resume_from, map_location=self.device)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
+        if scheduler is not None and state.get("scheduler"):
+            scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            scaler.load_state_dict(state["scaler"])
+        if state.get("stopper"):
+            stopper.load_state_dict(state["stopper"])
+        backoff.size = min(backoff.size, int(state.get("micro_batch") or backoff.size))
         torch.set_rng_state(state["rng"]["cpu"].cpu())
         if "cuda" in state["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["cuda"].cpu(), self.device)
         history.extend(EpochMetrics.model_validate(m) for m in state["metrics"])
+        best = None
+        if state.get("best"):
+            saved = state["best"]
+            best = _Best(int(saved["epoch"]), {k: v.cpu() for k, v in saved["state_dict"].items()},
+                         Measured(int(saved["num_images"]), float(saved["loss"]), float(saved["accuracy"]),
+                                  saved["confusion"].cpu()))
         log.info("job %s resumes after epoch %d", self.plan.job_id, state["epoch"])
-        return int(state["epoch"]) + 1
+        return int(state["epoch"]) + 1, best, state.get("stop_reason")
+
+
+def _cpu_copy(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+

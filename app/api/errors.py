@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 
+import kombu.exceptions
 import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.core.errors import TorchyardError
+from core.errors import TorchyardError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,11 @@ def install_error_handlers(app: FastAPI) -> None:
                   request.url.path)
         return JSONResponse({"detail": f"internal error ({type(exc).__name__}); see the API log"}, status_code=500)
 
+    # Redis restarting, frozen or gone, seen by redis-py or by Celery's transport (kombu raises its
+    # own OperationalError): a 503 the client may retry (with its Idempotency-Key), never a 500.
     @app.exception_handler(redis.RedisError)
-    async def redis_error(_: Request, exc: redis.RedisError) -> JSONResponse:
+    @app.exception_handler(kombu.exceptions.OperationalError)
+    async def redis_error(_: Request, exc: Exception) -> JSONResponse:
         log.warning("Redis unavailable: %s", exc)
-        return JSONResponse({"detail": f"Redis is unavailable: {exc}"}, status_code=503)
+        return JSONResponse({"detail": f"Redis is unavailable, retry shortly: {exc}"}, status_code=503,
+                            headers={"Retry-After": "2"})

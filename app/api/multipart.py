@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
-from app.core.errors import InvalidInput, TooLarge
+from core.errors import InvalidInput, TooLarge
 
 _BOUNDARY = re.compile(r'boundary=(?:"([^"]+)"|([^;\s]+))', re.IGNORECASE)
 _NAME = re.compile(rb'(?:^|;)\s*name="((?:[^"\\]|\\.)*)"|(?:^|;)\s*name=([^;\s"]+)', re.IGNORECASE)

@@ -7,14 +7,22 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio as aioredis
 
-from app.core.config import Settings
-from app.core.datasets import DatasetCatalog
-from app.core.devices import DeviceRegistry
-from app.core.jobs import JobStore
-from app.core.predictions import PredictionClient
-from app.core.redis import connect, connect_async
-from app.core.training import TrainingService
-from worker.celery_app import create_celery, dispatcher
+from app.api.predictions import PredictionClient
+from core.aliases import AliasService, AliasStore, job_is_aliased
+from core.config import Settings
+from core.datasets import DatasetCatalog
+from core.devices import DeviceRegistry
+from core.evaluations import Evaluations
+from core.exports import ExportCatalog
+from core.jobs import JobStore
+from core.lineage import active_dependent
+from core.queue import create_celery, dispatcher
+from core.redis import connect, connect_async
+from core.retention import JobDeletion, Retention
+from core.schemas import Job
+from core.storage import CheckpointPaths
+from core.submission import JobSubmission
+from core.warming import ModelWarmer
 
 
 @dataclass
@@ -25,8 +33,13 @@ class Services:
     jobs: JobStore
     devices: DeviceRegistry
     datasets: DatasetCatalog
-    training: TrainingService
+    submission: JobSubmission
     predictions: PredictionClient
+    aliases: AliasService
+    exports: ExportCatalog
+    deletion: JobDeletion
+    retention: Retention
+    evaluations: Evaluations
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -34,15 +47,40 @@ class Services:
         client, aclient = connect(url), connect_async(url)
         celery = create_celery(settings)
         jobs = JobStore(client, dispatcher(celery), lease_ttl_s=settings.lease_ttl_s,
-                        max_attempts=settings.max_attempts)
+                        max_attempts=settings.max_attempts, dispatch_grace_s=settings.dispatch_grace_s)
         devices = DeviceRegistry(client, settings.heartbeat_ttl_s)
-        datasets = DatasetCatalog(client, settings)
+        datasets = DatasetCatalog(client, settings, jobs)
         predictions = PredictionClient(aclient, timeout_s=settings.predict_timeout_s,
                                        max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels,
                                        max_images=settings.max_images_per_request)
+        aliases = AliasService(AliasStore(client), ModelWarmer(client, devices, settings.alias_warm_timeout_s))
+        deletion = JobDeletion(jobs, CheckpointPaths(settings.checkpoints_dir))
+        deletion.protect(lambda job: _aliased_refusal(client, job))
+        deletion.protect(lambda job: _dependent_refusal(jobs, job))
         return cls(settings, client, aclient, jobs, devices, datasets,
-                   TrainingService(jobs, datasets, devices), predictions)
+                   JobSubmission(jobs, datasets, devices, settings), predictions, aliases=aliases,
+                   exports=ExportCatalog(client, jobs, CheckpointPaths(settings.checkpoints_dir)),
+                   deletion=deletion, retention=Retention(settings, client, jobs, datasets, deletion),
+                   evaluations=Evaluations(jobs, datasets, devices, CheckpointPaths(settings.checkpoints_dir)))
 
     async def close(self) -> None:
         await self.aredis.aclose()
         self.redis.close()
+
+
+def _aliased_refusal(client: redis.Redis, job: Job) -> str | None:
+    """The deletion protection of aliases (#16): a job an alias points at stays until it moves."""
+    names = job_is_aliased(client, job.id)
+    if not names:
+        return None
+    return (f"job {job.id} is the target of alias(es) {', '.join(names)}; move or delete them first "
+            f"(PUT /aliases/{{name}}) and then delete the job")
+
+
+def _dependent_refusal(jobs: JobStore, job: Job) -> str | None:
+    """The deletion protection of lineage (#15): a queued or running job (an init_from child, an
+    evaluation) still reads this job's checkpoint."""
+    child = active_dependent(jobs, job.id)
+    if child is None:
+        return None
+    return f"job {child} (queued or running) still needs the checkpoint of job {job.id}; wait for it or cancel it"

@@ -1,20 +1,33 @@
 """Server-sent events from a job's Redis stream. Stream ids are the SSE ids, so a client that
-reconnects with Last-Event-ID continues exactly where it stopped, even across API restarts."""
+reconnects with Last-Event-ID continues exactly where it stopped, even across API restarts.
+
+The framing, keep-alive pings and client-disconnect handling are sse-starlette's; what is ours is
+where the events come from and when the stream ends (after the terminal status).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import AsyncIterator
 
+import redis
 import redis.asyncio as aioredis
-from fastapi import Request
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from app.core.errors import InvalidInput
-from app.core.jobs import events_key, job_key
-from app.core.schemas import JobStatus
+from core import keys
+from core.errors import InvalidInput
+from core.schemas import JobStatus
 
-KEEPALIVE_MS = 15_000
+log = logging.getLogger(__name__)
+
+# A client is told to reconnect after this, and the connection is pinged this often so proxies
+# and the client's read timeout (60 s in client/sdk.py) never see a silent stream.
+RETRY_MS = 2000
+PING_S = 15
+# One XREAD waits at most this long for a new event before it looks again.
+BLOCK_MS = 15_000
 _TERMINAL = {s.value for s in JobStatus if s.terminal}
 _STREAM_ID = re.compile(r"^[0-9]{1,20}(-[0-9]{1,20})?$")
 
@@ -28,23 +41,35 @@ def parse_last_event_id(value: str | None) -> str | None:
     return value.strip()
 
 
-async def job_event_stream(client: aioredis.Redis, job_id: str, last_event_id: str | None,
-                           request: Request) -> AsyncIterator[str]:
+async def _job_events(client: aioredis.Redis, job_id: str, last_event_id: str | None
+                      ) -> AsyncIterator[ServerSentEvent]:
     cursor = last_event_id or "0-0"
-    yield "retry: 2000\n\n"
+    yield ServerSentEvent(retry=RETRY_MS)
+    try:
+        async for event in _read_events(client, job_id, cursor):
+            yield event
+    except redis.RedisError as exc:
+        # Redis went away mid-stream: the status line was sent long ago, so end the stream cleanly;
+        # the client reconnects with Last-Event-ID and gets a 503 until Redis is back, then the rest.
+        log.warning("event stream of job %s ended: Redis is unavailable (%s)", job_id, exc)
+
+
+async def _read_events(client: aioredis.Redis, job_id: str, cursor: str) -> AsyncIterator[ServerSentEvent]:
     while True:
-        if await request.is_disconnected():
-            return
-        batch = await client.xread({events_key(job_id): cursor}, count=100)
+        batch = await client.xread({keys.job_events(job_id): cursor}, count=100)
         if not batch:
-            if await client.hget(job_key(job_id), "status") in _TERMINAL:
+            if await client.hget(keys.job(job_id), "status") in _TERMINAL:
                 return  # the terminal event was sent before this client's Last-Event-ID
-            batch = await client.xread({events_key(job_id): cursor}, block=KEEPALIVE_MS, count=100)
+            batch = await client.xread({keys.job_events(job_id): cursor}, block=BLOCK_MS, count=100)
             if not batch:
-                yield ": keepalive\n\n"
                 continue
         for event_id, fields in batch[0][1]:
             cursor = event_id
-            yield f"id: {event_id}\nevent: {fields['event']}\ndata: {fields['data']}\n\n"
+            yield ServerSentEvent(fields["data"], event=fields["event"], id=event_id)
             if fields["event"] == "status" and json.loads(fields["data"]).get("status") in _TERMINAL:
                 return
+
+
+def job_event_response(client: aioredis.Redis, job_id: str, last_event_id: str | None) -> EventSourceResponse:
+    return EventSourceResponse(_job_events(client, job_id, last_event_id), ping=PING_S, sep="\n",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

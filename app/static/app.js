@@ -134,21 +134,23 @@ async function refreshJobs() {
   state.jobs = jobs;
   const body = $("jobs-table").tBodies[0];
   body.replaceChildren();
-  if (!jobs.length) body.append(el("tr", {}, el("td", { colSpan: 8, class: "muted" }, "no jobs yet: start one above")));
+  if (!jobs.length) body.append(el("tr", {}, el("td", { colSpan: 9, class: "muted" }, "no jobs yet: start one above")));
   for (const j of jobs) {
     const epochs = j.params.epochs || j.progress.epochs || 0;
     const frac = j.status === "succeeded" ? 1 : progressFraction(j.progress);
     const last = j.metrics.length ? j.metrics[j.metrics.length - 1] : null;
     body.append(el("tr", { "data-id": j.id, "data-status": j.status, class: j.id === state.selected ? "selected" : "", onclick: () => selectJob(j.id) },
       el("td", { class: "mono", title: j.id }, shortId(j.id)),
-      el("td", {}, j.model), el("td", {}, j.dataset),
+      el("td", { class: "small muted" }, j.kind || "train"),
+      el("td", {}, j.model), el("td", { title: j.dataset }, j.dataset_name || j.dataset),
       el("td", {}, el("span", { class: `pill ${j.status}`, title: j.error || j.message || "" }, j.status)),
       el("td", {}, el("span", { class: "mini" }, el("div", { style: `width:${(100 * frac).toFixed(0)}%` })), `${j.progress.epoch}/${epochs}`),
-      el("td", {}, last ? pct(last.val_accuracy) : "–"),
+      el("td", {}, j.evaluation ? pct(j.evaluation.accuracy) : last ? pct(last.val_accuracy) : "–"),
       el("td", { class: "mono small" }, j.device || j.requested_device),
       el("td", { class: "small muted" }, when(j.created_at))));
   }
   refreshPredictJobs();
+  refreshStartFrom();
 }
 
 function progressFraction(p) {
@@ -159,11 +161,11 @@ function progressFraction(p) {
 
 function refreshPredictJobs() {
   const select = $("predict-job");
-  const done = state.jobs.filter((j) => j.status === "succeeded");
+  const done = state.jobs.filter((j) => j.status === "succeeded" && (j.kind || "train") === "train");
   const values = done.map((j) => j.id);
   if ([...select.options].map((o) => o.value).join("|") !== values.join("|")) {
     const keep = state.predictJob && values.includes(state.predictJob) ? state.predictJob : values[0];
-    select.replaceChildren(...done.map((j) => el("option", { value: j.id }, `${j.model} on ${j.dataset} · ${shortId(j.id)}`)));
+    select.replaceChildren(...done.map((j) => el("option", { value: j.id }, `${j.model} on ${j.dataset_name || j.dataset} · ${shortId(j.id)}`)));
     if (!done.length) select.append(el("option", { value: "" }, "no succeeded job yet"));
     if (keep) select.value = keep;
     state.predictJob = keep || null;
@@ -178,6 +180,7 @@ async function selectJob(jobId) {
   state.series = { loss: { train: [], val: [] }, acc: { train: [], val: [] }, epochs: 0, classes: null };
   $("job-title").textContent = jobId;
   $("per-class").replaceChildren();
+  clearEvaluation();
   drawCharts();
   let job;
   try { job = await getJSON(`/jobs/${encodeURIComponent(jobId)}`); } catch (err) { $("job-meta").textContent = err.message; return; }
@@ -194,15 +197,14 @@ function renderJob(job) {
   status.textContent = job.status;
   status.className = `pill ${job.status}`;
   status.dataset.status = job.status;
-  const p = job.params;
-  $("job-meta").textContent = [`${job.model} on ${job.dataset}`, job.device ? `on ${job.device}` : `device ${job.requested_device}`,
-    `${p.epochs} epochs`, `batch ${p.batch_size}`, `${p.optimizer} lr ${p.learning_rate}`,
-    job.error ? `error: ${job.error}` : job.message || ""].filter(Boolean).join(" · ");
+  $("job-meta").textContent = jobMeta(job);
   $("cancel-job").hidden = TERMINAL.has(job.status);
   $("download-ckpt").hidden = !job.checkpoint;
+  showPromote(job);
   setProgress(job.progress, job.status);
   for (const m of job.metrics) addMetrics(m);
   drawCharts();
+  renderJobEvaluation(job);
 }
 
 function setProgress(p, status) {
@@ -238,6 +240,7 @@ function onJobEvent(jobId, event) {
   const d = event.data;
   if (event.event === "progress") setProgress(d, "running");
   else if (event.event === "metrics") { addMetrics(d); drawCharts(); }
+  else if (event.event === "batch_backoff" || event.event === "early_stop") noteJob(d.message);
   else if (event.event === "status") {
     const status = $("job-status");
     status.textContent = d.status; status.className = `pill ${d.status}`; status.dataset.status = d.status;
@@ -391,6 +394,7 @@ async function loadChoices() {
     if (keepModel) $("model").value = keepModel;
     if (keepData) $("dataset").value = keepData;
     else if (datasets.datasets.some((d) => d.id === "fake")) $("dataset").value = "fake";
+    fillEvaluateDatasets(datasets.datasets);
   } catch (_) { /* the banner says why */ }
 }
 
@@ -402,6 +406,9 @@ async function startJob(event) {
   button.disabled = true;
   try {
     const body = { model: $("model").value, dataset: $("dataset").value, epochs: Number($("epochs").value), device: $("device").value };
+    const from = $("start-from").value;
+    if (from === "pretrained") body.pretrained = true;
+    else if (from) body.init_from = from;
     const job = await (await api("/jobs", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) })).json();
     await refreshJobs();
     selectJob(job.id);
@@ -473,6 +480,202 @@ function wirePredict() {
   zone.addEventListener("keydown", (e) => { if (e.key === "Enter" || e.key === " ") $("predict-file").click(); });
 }
 
+// ------------------------------------------------------------------ aliases
+// Stable names clients predict with (`alias` instead of `job_id`); a succeeded training job is
+// promoted from its view, and the server loads it where the old target is resident before moving.
+async function refreshAliases() {
+  let aliases;
+  try { aliases = (await getJSON("/aliases")).aliases; } catch (_) { return; }
+  const body = $("aliases-table").tBodies[0];
+  body.replaceChildren();
+  if (!aliases.length) body.append(el("tr", {}, el("td", { colSpan: 7, class: "muted" }, "no aliases yet: promote a succeeded job")));
+  for (const a of aliases) {
+    body.append(el("tr", { "data-alias": a.name, "data-job": a.job_id },
+      el("td", { class: "mono" }, a.name),
+      el("td", { class: "mono", title: a.job_id }, el("a", { href: "#", onclick: (e) => { e.preventDefault(); selectJob(a.job_id); } }, shortId(a.job_id))),
+      el("td", {}, a.model),
+      el("td", { class: "mono small", title: a.previous_job_id || "" }, shortId(a.previous_job_id)),
+      el("td", { class: "small muted" }, when(a.updated_at)),
+      el("td", { class: "small muted", title: a.note || "" }, a.updated_by || "–"),
+      el("td", {}, a.previous_job_id ? el("button", { type: "button", class: "small", onclick: () => rollbackAlias(a.name) }, "Roll back") : "")));
+  }
+}
+
+function showPromote(job) {
+  const form = $("promote-form");
+  form.hidden = !(job.status === "succeeded" && (job.kind || "train") === "train");
+  form.dataset.job = job.id;
+}
+
+async function promoteSelected(event) {
+  event.preventDefault();
+  const name = $("promote-name").value.trim();
+  const jobId = $("promote-form").dataset.job;
+  if (!name || !jobId) return;
+  const error = $("alias-error");
+  error.hidden = true;
+  try {
+    const alias = await (await api(`/aliases/${encodeURIComponent(name)}`, { method: "PUT", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ job_id: jobId, note: "promoted from the dashboard" }) })).json();
+    const warmed = alias.warm.map((w) => `${w.device}: ${w.status}`).join(", ");
+    $("job-meta").textContent = `alias ${alias.name} → ${alias.job_id}${warmed ? ` (warmed ${warmed})` : ""}`;
+    await refreshAliases();
+  } catch (err) { error.textContent = err.message; error.hidden = false; }
+}
+
+async function rollbackAlias(name) {
+  const error = $("alias-error");
+  error.hidden = true;
+  try {
+    await api(`/aliases/${encodeURIComponent(name)}/rollback`, { method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ note: "rolled back from the dashboard" }) });
+    await refreshAliases();
+  } catch (err) { error.textContent = err.message; error.hidden = false; }
+}
+
+// ------------------------------------------------------------------ recipe, evaluations
+function jobMeta(job) {
+  const p = job.params;
+  const parts = [`${job.model} on ${job.dataset_name || job.dataset}`, job.device ? `on ${job.device}` : `device ${job.requested_device}`];
+  if ((job.kind || "train") === "train") {
+    parts.push(`${p.epochs} epochs`, `batch ${p.batch_size}`, `${p.optimizer} lr ${p.learning_rate}` + (p.schedule ? ` ${p.schedule}` : ""));
+    if (p.init_from) parts.push(`from job ${shortId(p.init_from)}`);
+    if (p.pretrained) parts.push("from ImageNet weights");
+    if (job.best_epoch) parts.push(`weights of epoch ${job.best_epoch}`);
+    if (job.stop_reason) parts.push(job.stop_reason);
+  } else if (p.trained_job) {
+    parts.push(`evaluates job ${shortId(p.trained_job)}`);
+  }
+  parts.push(job.error ? `error: ${job.error}` : job.message || "");
+  return parts.filter(Boolean).join(" · ");
+}
+
+function noteJob(message) {
+  if (message) $("job-meta").textContent = `${$("job-meta").textContent.split(" · ⚠")[0]} · ⚠ ${message}`;
+}
+
+function refreshStartFrom() {
+  const select = $("start-from");
+  const jobs = state.jobs.filter((j) => j.status === "succeeded" && (j.kind || "train") === "train");
+  const values = ["", "pretrained", ...jobs.map((j) => j.id)];
+  if ([...select.options].map((o) => o.value).join("|") === values.join("|")) return;
+  const keep = select.value;
+  select.replaceChildren(el("option", { value: "" }, "scratch"), el("option", { value: "pretrained" }, "ImageNet weights (pretrained)"),
+    ...jobs.map((j) => el("option", { value: j.id }, `job ${shortId(j.id)}: ${j.model} on ${j.dataset_name || j.dataset}`)));
+  if (values.includes(keep)) select.value = keep;
+}
+
+function fillEvaluateDatasets(datasets) {
+  const select = $("evaluate-dataset");
+  const keep = select.value;
+  select.replaceChildren(...datasets.map((d) =>
+    el("option", { value: d.id, disabled: d.available === false }, d.name && d.name !== d.id ? `${d.name} (${d.id})` : d.id)));
+  if (keep) select.value = keep;
+}
+
+function clearEvaluation() {
+  $("evaluation-view").hidden = true;
+  $("evaluations-panel").hidden = true;
+  $("confusion").replaceChildren();
+  $("eval-bars").replaceChildren();
+  $("evaluations").tBodies[0].replaceChildren();
+  $("evaluate-error").hidden = true;
+}
+
+// A training job shows its kept weights' validation and its evaluations (and a form for another);
+// an evaluation job shows its result.
+function renderJobEvaluation(job) {
+  const isTrain = (job.kind || "train") === "train";
+  if (job.evaluation) {
+    const r = job.evaluation;
+    const what = r.split === "validation" ? `validation split, weights of epoch ${r.epoch}` : r.split === "test" ? "test split" : "all images";
+    renderEvaluation(r, `${isTrain ? "Kept weights" : "Evaluation"} on ${job.dataset_name || r.dataset} (${what}): accuracy ${pct(r.accuracy)}, loss ${r.loss.toFixed(4)}, ${r.num_images} images`);
+  } else {
+    $("evaluation-view").hidden = true;
+  }
+  $("evaluations-panel").hidden = !(isTrain && job.status === "succeeded");
+  if (isTrain) renderEvaluations(job.id, job.evaluations || []);
+}
+
+function renderEvaluation(result, title) {
+  $("evaluation-title").textContent = title;
+  $("eval-bars").replaceChildren(el("div", { class: "pc-title small muted" }, "Accuracy per class"),
+    ...Object.entries(result.per_class_accuracy).map(([name, acc]) =>
+      el("div", { class: "pc", "data-class": name }, el("span", { class: "pc-name", title: `Accuracy of ${name}` }, name),
+        el("span", { class: "bar" }, el("div", { style: `width:${(100 * acc).toFixed(0)}%` })),
+        el("span", { class: "small" }, `${(100 * acc).toFixed(0)} %`))));
+  drawConfusion($("confusion"), result.classes, result.confusion_matrix);
+  $("evaluation-view").hidden = false;
+}
+
+// The confusion matrix as a heat-map table: rows are the true classes, columns the predicted ones;
+// a cell's shade is its share of its row, so a dark diagonal is a good model.
+function drawConfusion(table, classes, matrix) {
+  table.replaceChildren();
+  if (!matrix) {
+    table.append(el("caption", {}, "too many classes to draw the confusion matrix"));
+    return;
+  }
+  table.append(el("caption", {}, "rows: true class · columns: predicted class · shade: share of the row"));
+  table.append(el("thead", {}, el("tr", {}, el("th", {}, "true \\ predicted"),
+    ...classes.map((name, k) => el("th", { title: name }, String(k))))));
+  const body = el("tbody");
+  matrix.forEach((row, i) => {
+    const total = row.reduce((a, b) => a + b, 0) || 1;
+    body.append(el("tr", {}, el("th", { class: "row", title: classes[i] }, `${i} ${classes[i]}`),
+      ...row.map((count, j) => {
+        const share = count / total;
+        const hue = i === j ? "47,111,222" : "238,76,44";
+        return el("td", { class: i === j ? "diag" : "", title: `true ${classes[i]}, predicted ${classes[j]}: ${count}`,
+          "data-count": String(count),
+          style: `background: rgba(${hue},${(0.08 + 0.85 * share).toFixed(3)}); color: ${share > 0.55 ? "#fff" : "#1c2333"}` },
+        count ? String(count) : "");
+      })));
+  });
+  table.append(body);
+}
+
+function renderEvaluations(jobId, evaluations) {
+  const body = $("evaluations").tBodies[0];
+  body.replaceChildren();
+  if (!evaluations.length) body.append(el("tr", {}, el("td", { colSpan: 6, class: "muted" }, "no evaluations yet")));
+  for (const e of evaluations) {
+    const r = e.result;
+    body.append(el("tr", { "data-id": e.id, "data-status": e.status, onclick: () => {
+      if (r) renderEvaluation(r, `Evaluation ${shortId(e.id)} on ${e.dataset_name || e.dataset}: accuracy ${pct(r.accuracy)}, loss ${r.loss.toFixed(4)}, ${r.num_images} images`);
+    } },
+    el("td", { class: "mono", title: e.id }, shortId(e.id)), el("td", { title: e.dataset }, e.dataset_name || e.dataset),
+    el("td", {}, el("span", { class: `pill ${e.status}`, title: e.error || "" }, e.status)),
+    el("td", {}, r ? String(r.num_images) : "–"), el("td", {}, r ? pct(r.accuracy) : "–"), el("td", {}, r ? r.loss.toFixed(4) : "–")));
+  }
+}
+
+async function startEvaluation(event) {
+  event.preventDefault();
+  const jobId = state.selected;
+  const error = $("evaluate-error");
+  error.hidden = true;
+  if (!jobId) return;
+  try {
+    const body = { dataset: $("evaluate-dataset").value };
+    const created = await (await api(`/jobs/${encodeURIComponent(jobId)}/evaluate`, { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(body) })).json();
+    for (let i = 0; i < 600 && state.selected === jobId; i += 1) {
+      const job = await getJSON(`/jobs/${encodeURIComponent(jobId)}`);
+      if (state.selected !== jobId) return;
+      renderEvaluations(jobId, job.evaluations || []);
+      const mine = (job.evaluations || []).find((e) => e.id === created.id);
+      if (mine && TERMINAL.has(mine.status)) {
+        if (mine.result) renderEvaluation(mine.result, `Evaluation ${shortId(mine.id)} on ${mine.dataset_name || mine.dataset}: accuracy ${pct(mine.result.accuracy)}, loss ${mine.result.loss.toFixed(4)}, ${mine.result.num_images} images`);
+        else if (mine.error) { error.textContent = mine.error; error.hidden = false; }
+        return;
+      }
+      await new Promise((resolve) => setTimeout(resolve, 700));
+    }
+  } catch (err) {
+    error.textContent = err.message; error.hidden = false;
+  }
+}
+
 // ------------------------------------------------------------------ start-up
 function wire() {
   $("api-key").value = state.key;
@@ -486,13 +689,15 @@ function wire() {
   $("job-form").addEventListener("submit", startJob);
   $("cancel-job").addEventListener("click", cancelSelected);
   $("download-ckpt").addEventListener("click", downloadCheckpoint);
+  $("promote-form").addEventListener("submit", promoteSelected);
+  $("evaluate-form").addEventListener("submit", startEvaluation);
   $("footer-url").textContent = location.origin;
   window.addEventListener("resize", drawCharts);
   wirePredict();
 }
 
 async function refreshAll() {
-  await Promise.all([loadChoices(), refreshDevices(), refreshJobs()]);
+  await Promise.all([loadChoices(), refreshDevices(), refreshJobs(), refreshAliases()]);
 }
 
 wire();
@@ -500,3 +705,4 @@ drawCharts();
 refreshAll();
 setInterval(refreshDevices, 2000);
 setInterval(refreshJobs, 3000);
+setInterval(refreshAliases, 5000);

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.core.config import Settings
 from app.main import create_app
+from core.config import Settings
 from tests.support import Processes, flush, with_db
 
 pytestmark = pytest.mark.e2e

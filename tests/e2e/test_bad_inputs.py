@@ -102,8 +102,146 @@ def _pixel_bomb() -> bytes:
     return buffer.getvalue()
 
 
+def _image(fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 10, 10)).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\nshowpage\n%%EOF\n"
+
+
+def _part(name: str, data: bytes, filename: str | None = None, boundary: bytes = b"b") -> bytes:
+    disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+    return b"--" + boundary + b"\r\nContent-Disposition: " + disposition.encode() + b"\r\n\r\n" + data + b"\r\n"
+
+
+def _form(path: str, body: bytes, content_type: str = "multipart/form-data; boundary=b"
+          ) -> Callable[[httpx.Client], httpx.Response]:
+    return lambda c: c.post(path, content=body, headers={"Content-Type": content_type})
+
+
+def _with(method: str, path: str, **headers: str) -> Callable[[httpx.Client], httpx.Response]:
+    body = {"json": {"model": "nosuch", "dataset": "fake"}} if method == "POST" and path == JOB else {}
+    return lambda c: c.request(method, path, headers=headers, **body)
+
+
+def _spec(**fields: object) -> Callable[[httpx.Client], httpx.Response]:
+    return lambda c: c.post(JOB, json={"model": "cifar_net", "dataset": "fake", **fields})
+
+
+def _chunks(*parts: bytes):
+    yield from parts
+
+
 PNG = _png()
 JOB = "/jobs"
+A_ZIP = _zip([_good("cats/a.png")])
+# The request head is capped (TORCHYARD_MAX_HEADER_BYTES, 64 KiB); a declared body over a route's cap
+# is refused before a byte of it is read; a body of the wrong type likewise (app/api/front.py).
+HOSTILE_HEADS = [
+    ("head over 64 KiB", _raw(b"GET /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"), {431}),
+    ("jobs: Content-Length not a number", _raw(b"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                                                b"Content-Length: 12abc\r\nConnection: close\r\n\r\n{}"), {400}),
+    ("jobs: declared over the JSON cap", _raw(b"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                                               b"Content-Length: 2000000\r\nConnection: close\r\n\r\n{"), {413}),
+    ("GET with a body over the JSON cap", _raw(b"GET /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2000000\r\n"
+                                                b"Connection: close\r\n\r\nxx"), {413}),
+    ("predict: declared over its cap", _raw(b"POST /predict HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; "
+                                             b"boundary=b\r\nContent-Length: 99999999999\r\nConnection: close\r\n\r\n"), {413}),
+]
+MORE_BATTERY: list[tuple[str, Callable[[httpx.Client], httpx.Response], set[int]]] = [
+    # --- content types, on the headers --------------------------------------------------------
+    ("jobs: text/plain", _form(JOB, b'{"model": "cifar_net", "dataset": "fake"}', "text/plain"), {415}),
+    ("jobs: form-urlencoded", lambda c: c.post(JOB, data={"model": "cifar_net", "dataset": "fake"}), {415}),
+    ("jobs: multipart", lambda c: c.post(JOB, files={"file": ("a.json", b"{}", "application/json")}), {415}),
+    ("jobs: application/xml", _form(JOB, b"<job/>", "application/xml"), {415}),
+    ("jobs: chunked text/plain", lambda c: c.post(JOB, content=_chunks(b"a" * 1000, b"b"),
+                                                  headers={"Content-Type": "text/plain"}), {415}),
+    ("jobs: +json type, bad spec", _form(JOB, b'{"model": "gpt5", "dataset": "fake"}', "application/vnd.x+json"), {422}),
+    ("datasets: application/json", lambda c: c.post("/datasets", json={"file": "x"}), {415}),
+    ("datasets: text/plain", _form("/datasets", b"PK", "text/plain"), {415}),
+    ("predict: application/json", lambda c: c.post("/predict", json={"job_id": "x"}), {415}),
+    ("predict: text/plain", _form("/predict", b"hello", "text/plain"), {415}),
+    # --- JSON a parser may choke on ---------------------------------------------------------------
+    ("jobs: JSON nested 100 000 deep", _form(JOB, b"[" * 100_000, "application/json"), {400, 422}),
+    ("jobs: a 5000-digit integer", _form(JOB, b'{"model":"cifar_net","dataset":"fake","epochs":' + b"9" * 5000 + b"}",
+                                         "application/json"), {400, 422}),
+    ("jobs: invalid UTF-8", _form(JOB, b'{"model": "\xff\xfe", "dataset": "fake"}', "application/json"), {400, 422}),
+    ("jobs: UTF-8 BOM", _form(JOB, b'\xef\xbb\xbf{"model": "nosuch", "dataset": "fake"}', "application/json"), {400, 422}),
+    ("jobs: 1e400 epochs", _form(JOB, b'{"model":"cifar_net","dataset":"fake","epochs":1e400}', "application/json"), {422}),
+    ("jobs: null model", lambda c: c.post(JOB, json={"model": None, "dataset": "fake"}), {422}),
+    ("jobs: model as a list", lambda c: c.post(JOB, json={"model": ["cifar_net"], "dataset": "fake"}), {422}),
+    # --- specs that are valid JSON but cannot run ---------------------------------------------------
+    ("jobs: seed negative", _spec(seed=-1), {422}),
+    ("jobs: seed over 2^31", _spec(seed=2**31), {422}),
+    ("jobs: image_size 8", _spec(model="resnet18", image_size=8), {422}),
+    ("jobs: image_size for a fixed-size net", _spec(image_size=64), {422}),
+    ("jobs: kind export", _spec(kind="export"), {422}),
+    ("jobs: epochs 1001", _spec(epochs=1001), {422}),
+    ("jobs: batch_size 8193", _spec(batch_size=8193), {422}),
+    ("jobs: learning_rate 0", _spec(learning_rate=0), {422}),
+    ("jobs: val_fraction 1", _spec(val_fraction=1.0), {422}),
+    ("jobs: val_fraction leaving no training image", _spec(val_fraction=0.9999), {422}),
+    ("jobs: empty device", _spec(device=""), {422}),
+    ("jobs: memory no worker has", _spec(model="resnet18", image_size=512, batch_size=8192), {422}),
+    ("jobs: cifar10 files missing", _spec(dataset="cifar10"), {422}),
+    ("jobs: mnist files missing", _spec(model="catdog_net", dataset="mnist"), {422}),
+    ("jobs: fashion_mnist files missing", _spec(dataset="fashion_mnist"), {422}),
+    # --- multipart uploads, streamed ----------------------------------------------------------------
+    ("datasets: no boundary", _form("/datasets", _part("file", A_ZIP, "a.zip") + b"--b--\r\n", "multipart/form-data"), {422}),
+    ("datasets: no closing boundary", _form("/datasets", _part("file", A_ZIP, "a.zip")), {422}),
+    ("datasets: garbage body", _form("/datasets", b"this is not multipart at all"), {422}),
+    ("datasets: two file parts", _form("/datasets", _part("file", A_ZIP, "a.zip") + _part("file", A_ZIP, "b.zip")
+                                       + b"--b--\r\n"), {422}),
+    ("datasets: name field over 4 KiB", _form("/datasets", _part("name", b"n" * 5000) + _part("file", A_ZIP, "a.zip")
+                                              + b"--b--\r\n"), {422}),
+    ("datasets: 17 parts", _form("/datasets", b"".join(_part(f"f{i}", b"x") for i in range(17)) + b"--b--\r\n"), {422}),
+    ("datasets: a part without a name", _form("/datasets", b"--b\r\nContent-Disposition: form-data\r\n\r\nx\r\n--b--\r\n"),
+     {422}),
+    ("datasets: part headers over 16 KiB", _form("/datasets", b"--b\r\nX-Pad: " + b"p" * 20_000 + b"\r\n"
+                                                 b'Content-Disposition: form-data; name="file"\r\n\r\nx\r\n--b--\r\n'), {422}),
+    ("datasets: empty file", _upload(b""), {415}),
+    ("datasets: name of 201 characters", lambda c: c.post("/datasets", data={"name": "n" * 201},
+                                                          files={"file": ("d.zip", A_ZIP, "application/zip")}), {422}),
+    ("datasets: only EPS", _upload(_zip([("cats/a.eps", EPS)])), {422}),
+    ("datasets: only TIFF", _upload(_zip([("cats/a.tif", _image("TIFF"))])), {422}),
+    ("datasets: only ICO and PSD-like", _upload(_zip([("cats/a.ico", _image("ICO")), ("cats/b.psd", b"8BPS" + bytes(40))])),
+     {422}),
+    # --- predict: only the allowlisted decoders ----------------------------------------------------------
+    ("predict: TIFF", _predict([("a.tif", _image("TIFF"), "image/tiff")]), {415}),
+    ("predict: EPS", _predict([("a.eps", EPS, "application/postscript")]), {415}),
+    ("predict: ICO", _predict([("a.ico", _image("ICO"), "image/x-icon")]), {415}),
+    ("predict: no boundary", _form("/predict", b"x", "multipart/form-data"), {422}),
+    # --- DNS rebinding and cross-origin writes ---------------------------------------------------------
+    ("Host: another site", _with("GET", JOB, Host="attacker.example"), {400}),
+    ("Host: another site with a port", _with("GET", "/devices", Host="attacker.example:8000"), {400}),
+    ("Host: another machine's address", _with("GET", JOB, Host="10.1.2.3"), {400}),
+    ("Host: another site, POST", _with("POST", JOB, Host="attacker.example"), {400}),
+    ("Origin: another site, POST /jobs", _with("POST", JOB, Origin="http://attacker.example"), {403}),
+    ("Origin: null, POST /jobs", _with("POST", JOB, Origin="null"), {403}),
+    ("Origin: another site, POST /datasets", _with("POST", "/datasets", Origin="https://attacker.example"), {403}),
+    ("Origin: another site, POST /predict", _with("POST", "/predict", Origin="http://attacker.example"), {403}),
+    ("Origin: another site, cancel", _with("POST", "/jobs/nosuchjob/cancel", Origin="http://attacker.example"), {403}),
+    ("Origin: another site, DELETE a job", _with("DELETE", "/jobs/nosuchjob", Origin="http://attacker.example"), {403}),
+    ("Origin: another site, DELETE a dataset", _with("DELETE", "/datasets/dsx", Origin="http://a.example"), {403}),
+    ("Origin: another port of this host", _with("POST", JOB, Origin="http://127.0.0.1:1"), {403}),
+    # --- deleting jobs ------------------------------------------------------------------------------------
+    ("jobs: delete unknown", lambda c: c.delete("/jobs/nosuchjob"), {404}),
+    ("jobs: delete traversal id", lambda c: c.delete("/jobs/..%2F..%2Fcheckpoints"), {404, 422}),
+    ("jobs: delete id with NUL", lambda c: c.delete("/jobs/a%00b"), {404, 422}),
+    ("jobs: delete id of 300 characters", lambda c: c.delete("/jobs/" + "a" * 300), {404, 422}),
+    # --- methods and odd paths --------------------------------------------------------------------------
+    ("metrics: POST", lambda c: c.post("/metrics"), {405}),
+    ("healthz: POST", lambda c: c.post("/healthz"), {405}),
+    ("datasets: PUT", lambda c: c.put("/datasets", json={}), {405}),
+    ("jobs: PATCH a job", lambda c: c.patch("/jobs/nosuchjob", json={}), {405}),
+    ("jobs: id of 5000 characters", lambda c: c.get("/jobs/" + "a" * 5000), {404, 422}),
+    ("jobs: limit 501", lambda c: c.get(JOB, params={"limit": 501}), {422}),
+    ("jobs: cursor of 500 characters", lambda c: c.get(JOB, params={"cursor": "a" * 500}), {422}),
+    ("events: Last-Event-ID of 10 000 characters", lambda c: c.get("/jobs/nosuchjob/events",
+                                                                   headers={"Last-Event-ID": "1" * 10_000}), {404, 422}),
+]
 # (name, request, expected status(es))
 BATTERY: list[tuple[str, Callable[[httpx.Client], httpx.Response], set[int]]] = [
     # --- POST /jobs --------------------------------------------------------------------------
@@ -127,7 +265,7 @@ BATTERY: list[tuple[str, Callable[[httpx.Client], httpx.Response], set[int]]] = 
                                                     headers={"Idempotency-Key": "k" * 500}), {422}),
     ("jobs: json over the limit", lambda c: c.post(JOB, json={"model": "cifar_net", "dataset": "x" * (2 << 20)}), {413}),
     ("jobs: streamed json over the limit", _big_json_stream, {413}),
-    ("datasets: huge Content-Length", _raw(b"POST /datasets HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; "
+    ("datasets: huge Content-Length", _raw(b"POST /datasets HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; "
                                            b"boundary=b\r\nContent-Length: 99999999999999\r\nConnection: close\r\n\r\n--b"), {413}),
     # --- listing and ids in paths ------------------------------------------------------------
     ("jobs: limit 0", lambda c: c.get(JOB, params={"limit": 0}), {422}),
@@ -147,7 +285,7 @@ BATTERY: list[tuple[str, Callable[[httpx.Client], httpx.Response], set[int]]] = 
     ("unknown path", lambda c: c.get("/etc/passwd"), {404}),
     ("wrong method", lambda c: c.put(JOB, json={}), {405}),
     # --- POST /datasets ----------------------------------------------------------------------
-    ("datasets: no file", lambda c: c.post("/datasets", data={"name": "x"}), {422}),
+    ("datasets: no file", lambda c: c.post("/datasets", data={"name": "x"}), {415, 422}),  # a form without a file
     ("datasets: not a zip", _upload(b"PK\x03\x04 definitely not a zip"), {415}),
     ("datasets: empty zip", _upload(_zip([])), {422}),
     ("datasets: path traversal", _upload(_zip([_good("cats/a.png"), (f"../../../../../../tmp/{ESCAPE_NAME}.png", PNG)])), {422}),
@@ -159,7 +297,7 @@ BATTERY: list[tuple[str, Callable[[httpx.Client], httpx.Response], set[int]]] = 
     ("datasets: name too long", lambda c: c.post("/datasets", data={"name": "n" * 500},
                                                  files={"file": ("d.zip", _zip([_good("cats/a.png")]), "application/zip")}), {422}),
     # --- POST /predict -----------------------------------------------------------------------
-    ("predict: no file", lambda c: c.post("/predict", data={"job_id": "nosuchjob"}), {422}),
+    ("predict: no file", lambda c: c.post("/predict", data={"job_id": "nosuchjob"}), {415, 422}),
     ("predict: no job_id", lambda c: c.post("/predict", files={"file": ("a.png", PNG, "image/png")}), {422}),
     ("predict: unknown job", _predict([("a.png", PNG, "image/png")]), {404}),
     ("predict: traversal job id", _predict([("a.png", PNG, "image/png")], job_id="../../etc"), {404, 422}),
@@ -170,6 +308,8 @@ BATTERY: list[tuple[str, Callable[[httpx.Client], httpx.Response], set[int]]] = 
     ("predict: top_k text", _predict([("a.png", PNG, "image/png")], top_k="all"), {422}),
     ("predict: too many files", _predict([(f"{i}.png", PNG, "image/png") for i in range(65)]), {413, 422}),
     ("events: bad Last-Event-ID", lambda c: c.get("/jobs/nosuchjob/events", headers={"Last-Event-ID": "x"}), {404, 422}),
+    *HOSTILE_HEADS,
+    *MORE_BATTERY,
 ]
 
 
@@ -180,7 +320,7 @@ def _pattern_png(label: int) -> bytes:
 
 def test_battery_of_bad_inputs_then_normal_service(stack: dict) -> None:
     client = stack["client"]
-    assert len(BATTERY) >= 25
+    assert len(BATTERY) >= 100
     datasets_before = {d["id"] for d in client.get("/datasets").json()["datasets"]}
     failures = []
     for name, request, expected in BATTERY:
@@ -225,7 +365,7 @@ def _torch_load_calls(tree: ast.AST) -> list[ast.Call]:
 
 
 def test_every_torch_load_is_weights_only_and_nothing_unpickles() -> None:
-    sources = [p for folder in ("app", "worker", "models", "bench", "scripts", "tests")
+    sources = [p for folder in ("app", "core", "client", "worker", "models", "bench", "scripts", "tests")
                for p in (REPO / folder).rglob("*.py")]
     assert sources
     unsafe, calls = [], 0
@@ -237,8 +377,7 @@ def test_every_torch_load_is_weights_only_and_nothing_unpickles() -> None:
             flag = next((k.value for k in call.keywords if k.arg == "weights_only"), None)
             if not (isinstance(flag, ast.Constant) and flag.value is True):
                 unsafe.append(f"{path.relative_to(REPO)}:{call.lineno}")
-        service = path.is_relative_to(REPO / "app") or path.is_relative_to(REPO / "worker") \
-            or path.is_relative_to(REPO / "models")
+        service = any(path.is_relative_to(REPO / package) for package in ("app", "core", "client", "worker", "models"))
         for node in ast.walk(tree):
             if service and isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]

@@ -153,7 +153,8 @@ def _sigint_default() -> None:
 def _start_following(stack: dict, *extra: str, stdin: int = subprocess.DEVNULL
                       ) -> tuple[subprocess.Popen, str, list[str]]:
     """`torchyard train` of a long job; returns once the job is being followed."""
-    proc = subprocess.Popen([*CLI, "train", "--model", "cifar_net", "--dataset", "fake", "--epochs", "200", *extra],
+    proc = subprocess.Popen([*CLI, "train", "--model", "cifar_net", "--dataset", "fake", "--epochs", "200",
+                             "--patience", "0", *extra],
                             cwd=REPO, env=_env(stack), stdin=stdin, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, preexec_fn=_sigint_default)
     lines: list[str] = []
@@ -188,7 +189,7 @@ def test_interrupt_without_a_tty_leaves_the_job_running(stack: dict) -> None:
 
 def test_interrupt_with_cancel_on_interrupt_cancels(stack: dict) -> None:
     client = stack["client"]
-    proc, job_id, lines = _start_following(stack, "--cancel-on-interrupt")
+    proc, job_id, _lines = _start_following(stack, "--cancel-on-interrupt")
     try:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 130

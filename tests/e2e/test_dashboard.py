@@ -95,6 +95,16 @@ def test_dashboard_trains_streams_and_predicts(keyed_api: str, tmp_path: Path) -
             assert page.get_attribute("#acc-chart", "data-points") == "4"
             page.wait_for_selector(f"#jobs-table tr[data-id='{job_id}'][data-status=succeeded]")
             assert "pattern_3" in page.inner_text("#per-class")
+            # The kept weights' validation: per-class bars and the confusion matrix as a heat-map table.
+            page.wait_for_selector("#evaluation-view:not([hidden]) #confusion td")
+            assert len(page.query_selector_all("#confusion tbody tr")) == 10
+            assert len(page.query_selector_all("#confusion td")) == 100
+            assert "pattern_3" in page.inner_text("#eval-bars")
+            # An evaluation on another draw of the same classes, from the job view.
+            page.select_option("#evaluate-dataset", "fake")
+            page.click("#evaluate-start")
+            page.wait_for_selector("#evaluations tr[data-status=succeeded]", timeout=60_000)
+            assert "Evaluation" in page.inner_text("#evaluation-title")
 
             # Predict with the job just trained: the top bar is the image's class.
             page.wait_for_function(f"document.querySelector('#predict-job').value === '{job_id}'")
@@ -102,6 +112,10 @@ def test_dashboard_trains_streams_and_predicts(keyed_api: str, tmp_path: Path) -
             top = page.wait_for_selector("#predict-results .pred-row.top")
             assert top.get_attribute("data-label") == "pattern_3"
             assert len(page.query_selector_all("#predict-results .pred-row")) == 5
+            # Promote it: the aliases table shows the name pointing at the job (PUT with the key).
+            page.fill("#promote-name", "dash-pets")
+            page.click("#promote-job")
+            page.wait_for_selector(f"#aliases-table tr[data-alias=dash-pets][data-job='{job_id}']")
             # The live device panel: the worker is idle again and keeps the model resident.
             page.wait_for_selector("#devices .device[data-device$='/cpu'] .pill.idle", timeout=15_000)
             screenshot.parent.mkdir(parents=True, exist_ok=True)

@@ -56,8 +56,10 @@ def as_local(argv: list[str]) -> list[str]:
 def test_compose_api_and_cpu_worker_commands_run_a_job(clean_redis_url: str, tmp_path: Path) -> None:
     image_env, healthcheck = dockerfile_env_and_healthcheck()
     port = free_port()
+    # Compose requires TORCHYARD_API_KEY (`${TORCHYARD_API_KEY:?...}`): a .env would set it.
     local = {"TORCHYARD_REDIS_URL": clean_redis_url, "TORCHYARD_DATA_DIR": str(tmp_path / "data"),
-             "TORCHYARD_HOST": "127.0.0.1", "TORCHYARD_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+             "TORCHYARD_HOST": "127.0.0.1", "TORCHYARD_PORT": str(port), "PYTHONUNBUFFERED": "1",
+             "TORCHYARD_API_KEY": "entrypoint-test-key"}
     base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
     procs: list[subprocess.Popen] = []
     logs: dict[str, Path] = {}
@@ -73,7 +75,8 @@ def test_compose_api_and_cpu_worker_commands_run_a_job(clean_redis_url: str, tmp
                 procs.append(subprocess.Popen(as_local(command), env=env, cwd=tmp_path, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True))
 
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
+                              headers={"Authorization": "Bearer entrypoint-test-key"})
         try:
             wait_until(lambda: client.get("/readyz").status_code == 200, timeout=90, what="API + worker ready")
             [device] = client.get("/devices").json()["devices"]

@@ -1,11 +1,16 @@
 """Faults the service must survive, with real processes on real Redis: workers SIGKILLed mid-job
 until the job runs out of attempts, a corrupt resume checkpoint, a Redis restart (embedded,
-AOF), an API restart under an SSE client, a NaN loss and a corrupt final checkpoint."""
+AOF), an API restart under an SSE client, a NaN loss and a corrupt final checkpoint; and on a
+cluster of two "hosts": a frozen worker whose lease is taken over, Redis SIGKILLed mid-job, and
+what a process SIGKILLed between two writes leaves half done."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +19,8 @@ import pytest
 import torch
 
 from app.embedded_redis import EmbeddedRedis
+from core.config import Settings
+from tests.datagen import shapes_zip
 from tests.support import Processes, free_port, png_bytes, wait_for_job, wait_until
 from worker.data import fake_images
 
@@ -28,7 +35,8 @@ def _pattern_png(label: int) -> bytes:
 
 
 def _submit(client: httpx.Client, epochs: int, **params) -> str:
-    created = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": epochs, **params})
+    created = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": epochs, "patience": 0,
+                                         **params})  # long jobs stay long: no early stopping
     assert created.status_code == 202, created.text
     return created.json()["id"]
 
@@ -58,7 +66,7 @@ def own(clean_redis_url: str, tmp_path: Path) -> Iterator[dict]:
 def test_killed_workers_exhaust_attempts_and_a_corrupt_resume_fails_clearly(own: dict) -> None:
     """Three CPU workers under distinct node names (so they may run side by side), each job's
     worker SIGKILLed mid-run: a job that keeps killing its worker fails after
-    TORCHYARD_MAX_ATTEMPTS=2; a job whose resume.pt was corrupted before its redelivery fails
+    TORCHYARD_MAX_ATTEMPTS=2; a job whose resume state was corrupted before its redelivery fails
     with a clear error naming the file (we do not silently restart it from scratch)."""
     procs, client = own["procs"], own["client"]
     checkpoints = own["data_dir"] / "checkpoints"
@@ -69,13 +77,15 @@ def test_killed_workers_exhaust_attempts_and_a_corrupt_resume_fails_clearly(own:
 
     corrupt = _submit(client, 30)
     doomed = _submit(client, 200)
-    wait_until(lambda: len(_job(client, corrupt)["metrics"]) >= 1 and (checkpoints / corrupt / "resume.pt").exists(),
-               timeout=180, what="a first epoch and its resume.pt")
+    wait_until(lambda: len(_job(client, corrupt)["metrics"]) >= 1, timeout=180, what="a first recorded epoch")
     first_run = _running(client, doomed, 1)
     kill_runner_of(_job(client, corrupt))
     kill_runner_of(first_run)
-    resume = checkpoints / corrupt / "resume.pt"
-    resume.write_bytes(resume.read_bytes()[: resume.stat().st_size // 2])
+    # Each delivery keeps its resume states under deliveries/<token>/; damage every one there is.
+    states = list((checkpoints / corrupt).glob("deliveries/*/resume-*.pt"))
+    assert states, "no resume state recorded with the first epoch"
+    for resume in states:
+        resume.write_bytes(resume.read_bytes()[: resume.stat().st_size // 2])
 
     # The last worker sweeps both expired leases; whichever job it takes first, `doomed` ends up
     # running its second attempt there. Kill that one too; a fresh worker sweeps it to `failed`.
@@ -93,7 +103,7 @@ def test_killed_workers_exhaust_attempts_and_a_corrupt_resume_fails_clearly(own:
 
     broken = wait_for_job(client, corrupt, TERMINAL, timeout=120)
     assert broken["status"] == "failed" and broken["attempts"] == 2, broken
-    assert "resume.pt" in broken["error"] and "cannot be read" in broken["error"], broken["error"]
+    assert "resume-" in broken["error"] and "cannot be read" in broken["error"], broken["error"]
     assert workers["fx3"].poll() is None
 
 
@@ -199,3 +209,174 @@ def test_nan_loss_and_corrupt_checkpoint_fail_clearly_and_the_worker_goes_on(sta
     assert answer.status_code == 409, answer.text
     assert "model.pt" in answer.json()["detail"]
     assert stack["worker"].poll() is None
+
+
+# ---------------------------------------------------------------------------------------------
+# A cluster of our own: an embedded Redis the tests may kill, the API, and CPU workers on two
+# "hosts" (h1, h2: TORCHYARD_NODE_NAME) sharing that Redis and one data dir; 2 s leases.
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    root = tmp_path_factory.mktemp("cluster")
+    server = EmbeddedRedis(root / "redis")
+    url = server.start()
+    procs = Processes(url, root / "data", root / "logs", TORCHYARD_LEASE_TTL_S="2", TORCHYARD_MAX_ATTEMPTS="5")
+    workers = {node: procs.worker("cpu", name=node, TORCHYARD_NODE_NAME=node) for node in ("h1", "h2")}
+    port = free_port()
+    procs.api(port)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    try:
+        wait_until(lambda: {d["id"] for d in client.get("/devices").json()["devices"] if d["status"] == "idle"}
+                   >= {"h1/cpu", "h2/cpu"}, timeout=180, what="workers h1 and h2")
+        uploaded = client.post("/datasets", data={"name": "shapes"},
+                               files={"file": ("s.zip", shapes_zip(per_class=24, corrupt=None), "application/zip")})
+        assert uploaded.status_code == 201, uploaded.text
+        yield {"client": client, "procs": procs, "workers": workers, "server": server, "url": url,
+               "data_dir": root / "data", "dataset": uploaded.json()["id"]}
+    finally:
+        for proc in workers.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+        client.close()
+        procs.stop_all()
+        server.stop()
+
+
+def _train(cluster: dict, epochs: int) -> str:
+    return _submit(cluster["client"], epochs, dataset=cluster["dataset"], batch_size=8)
+
+
+def _ran_once(client: httpx.Client, job: dict, epochs: int) -> None:
+    """Each epoch recorded once (in the record and in the event stream), one terminal status."""
+    assert [m["epoch"] for m in job["metrics"]] == list(range(1, epochs + 1))
+    events = _events(client, job["id"])
+    per_epoch = [data["epoch"] for kind, data in events if kind == "metrics"]
+    assert sorted(per_epoch) == list(range(1, epochs + 1)), per_epoch
+    assert [data["status"] for kind, data in events if kind == "status" and data["status"] in TERMINAL] == [job["status"]]
+
+
+def test_a_frozen_worker_whose_lease_was_taken_over_changes_nothing(cluster: dict) -> None:
+    """SIGSTOP the worker running a job after its first recorded epoch: the other host sweeps the
+    lease and resumes the job from the state the frozen one recorded. SIGCONT the frozen one while
+    the new owner runs: it must notice, and change nothing a user sees, then or later."""
+    client, procs, workers = cluster["client"], cluster["procs"], cluster["workers"]
+    epochs = 8
+    job_id = _train(cluster, epochs)
+    first = wait_until(lambda: (j := _job(client, job_id))["status"] == "running" and len(j["metrics"]) >= 1 and j,
+                       timeout=120, what="a first recorded epoch")
+    stale_node = first["device"].split("/")[0]
+    owner_node = "h2" if stale_node == "h1" else "h1"
+    stale = workers[stale_node]
+    stale.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: (j := _job(client, job_id))["attempts"] == 2 and j["device"] == f"{owner_node}/cpu"
+                           and j["status"] == "running" and j, timeout=60, what="the other host to take the job over")
+    finally:
+        stale.send_signal(signal.SIGCONT)
+    done = wait_for_job(client, job_id, TERMINAL, timeout=180)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["attempts"] == 2 and done["device"] == f"{owner_node}/cpu" and done["resumed_from_epoch"] >= 1
+    _ran_once(client, done, epochs)
+    events_when_done = _events(client, job_id)
+    wait_until(lambda: "lost its lease" in procs.log(stale), timeout=60, what="the stale worker to notice")
+    wait_until(lambda: any(d["id"] == f"{stale_node}/cpu" and d["status"] == "idle"
+                           for d in client.get("/devices").json()["devices"]), timeout=30, what="the stale one idle")
+
+    job_dir = cluster["data_dir"] / "checkpoints" / job_id
+    body = client.get(f"/jobs/{job_id}/checkpoint").content
+    assert hashlib.sha256(body).hexdigest() == done["checkpoint"]["sha256"]
+    assert hashlib.sha256((job_dir / "model.pt").read_bytes()).hexdigest() == done["checkpoint"]["sha256"]
+    # Status, progress, metrics, params, classes, the checkpoint and its recorded sha256, the events:
+    # all as the owner left them; no file of the stale delivery was promoted or left behind.
+    assert _job(client, job_id) == done
+    assert _events(client, job_id) == events_when_done
+    assert sorted(p.name for p in job_dir.iterdir()) == ["model.pt"]
+    assert stale.poll() is None and workers[owner_node].poll() is None
+
+
+def test_redis_killed_mid_job_pauses_it_and_the_api_answers_503(cluster: dict) -> None:
+    """SIGKILL redis-server while a job trains, keep it down for three lease TTLs, start it again on
+    the same files: meanwhile every route answers 503 with a detail (never a 500); afterwards the
+    job goes on from where it paused, on the same delivery (no lease was swept: attempts stays 1)."""
+    client, server = cluster["client"], cluster["server"]
+    epochs = 6
+    job_id = _train(cluster, epochs)
+    wait_until(lambda: (j := _job(client, job_id))["status"] == "running" and j["progress"]["step"] > 0,
+               timeout=120, what="the job to train")
+    server.process.send_signal(signal.SIGKILL)
+    server.process.wait()
+    down_at = time.monotonic()
+    spec = {"model": "cifar_net", "dataset": cluster["dataset"], "epochs": 1, "batch_size": 8}
+    calls = [("GET", "/jobs", {}), ("GET", f"/jobs/{job_id}", {}), ("POST", f"/jobs/{job_id}/cancel", {}),
+             ("GET", f"/jobs/{job_id}/events", {}), ("GET", f"/jobs/{job_id}/checkpoint", {}),
+             ("POST", "/jobs", {"json": spec, "headers": {"Idempotency-Key": "during-outage"}}),
+             ("GET", "/devices", {}), ("GET", "/datasets", {}), ("GET", f"/datasets/{cluster['dataset']}", {}),
+             ("POST", "/datasets", {"files": {"file": ("t.zip", _tiny_zip(), "application/zip")}}),
+             ("POST", "/predict", {"data": {"job_id": job_id}, "files": {"file": ("p.png", _pattern_png(1), "image/png")}}),
+             ("GET", "/readyz", {})]
+    for method, path, kwargs in calls:
+        answer = client.request(method, path, **kwargs)
+        assert answer.status_code == 503 and answer.json()["detail"], (method, path, answer.status_code, answer.text)
+    for path in ("/healthz", "/models", "/"):
+        assert client.get(path).status_code == 200, path
+    scrape = client.get("/metrics")
+    assert scrape.status_code == 200 and "torchyard_redis_up 0.0" in scrape.text
+
+    # Three lease TTLs without a renewal (TEST_REDIS_OUTAGE_S=60 for the full minute; docs/reliability.md).
+    time.sleep(max(0.0, float(os.environ.get("TEST_REDIS_OUTAGE_S", "6")) - (time.monotonic() - down_at)))
+    server.start()
+    done = wait_for_job(client, job_id, TERMINAL, timeout=180)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["attempts"] == 1, "a lease was swept after the outage: the job was redelivered"
+    _ran_once(client, done, epochs)
+    running = [e for kind, e in _events(client, job_id) if kind == "status" and e["status"] == "running"]
+    assert len(running) == 1
+
+    # The client retrying its POST with the same key gets one job; the workers' consumers reconnected.
+    retried = client.post("/jobs", json=spec, headers={"Idempotency-Key": "during-outage"})
+    again = client.post("/jobs", json=spec, headers={"Idempotency-Key": "during-outage"})
+    assert retried.status_code == 202 and again.status_code == 200 and again.json()["id"] == retried.json()["id"]
+    other = client.post("/jobs", json={**spec, "epochs": 2}, headers={"Idempotency-Key": "during-outage"})
+    assert other.status_code == 422 and "different request" in other.json()["detail"]
+    assert wait_for_job(client, retried.json()["id"], TERMINAL, timeout=120)["status"] == "succeeded"
+
+
+def test_what_a_dying_process_leaves_half_done_is_completed_by_the_workers(cluster: dict) -> None:
+    """Two crash points, left exactly as a process SIGKILLed there leaves them (the moments are
+    microseconds wide, so the state is made with the job store itself, on the cluster's Redis):
+    (1) the accepting process committed a job and could not send its message (its broker was
+    gone): the workers' dispatch reconciler sends it within about a lease TTL; (2) a worker
+    recorded `succeeded` and died before moving its model.pt out of its delivery's directory:
+    a sweep promotes it, so the download matches the recorded sha256."""
+    from core.jobs import JobStore
+    from core.params import resolve_params
+    from core.queue import create_celery, dispatcher
+    from core.redis import connect
+    from core.schemas import JobSpec, JobStatus
+    from core.storage import CheckpointPaths
+
+    dead_broker = create_celery(Settings(redis_url=f"unix://{cluster['data_dir']}/no-such-redis.sock?db=0"))
+    store = JobStore(connect(cluster["url"]), dispatcher(dead_broker), lease_ttl_s=2)
+    spec = JobSpec(model="cifar_net", dataset=cluster["dataset"], epochs=1, batch_size=8)
+    params = resolve_params(spec).model_dump()
+    never_sent, created = store.create(model=spec.model, dataset=spec.dataset, params=params, requested_device="auto")
+    assert created and never_sent.status.value == "queued"
+
+    orphan, _ = store.create(model=spec.model, dataset=spec.dataset, params=params, requested_device="h9/cpu")
+    token = store.raw_field(orphan.id, "delivery")
+    assert store.claim(orphan.id, token, worker="cpu@h9", device_id="h9/cpu", instance="dies").run
+    paths = CheckpointPaths(cluster["data_dir"] / "checkpoints")
+    staged = paths.staged(orphan.id, token, "model.pt")
+    staged.parent.mkdir(parents=True)
+    staged.write_bytes(b"the weights of the delivery that finished")
+    digest = hashlib.sha256(staged.read_bytes()).hexdigest()
+    assert store.finish(orphan.id, token, JobStatus.succeeded, promote=["model.pt"],
+                        checkpoint={"url": f"/jobs/{orphan.id}/checkpoint", "sha256": digest, "bytes": 41})
+
+    client = cluster["client"]
+    done = wait_for_job(client, never_sent.id, TERMINAL, timeout=90)
+    assert done["status"] == "succeeded" and done["attempts"] == 1, done
+    body = wait_until(lambda: (r := client.get(f"/jobs/{orphan.id}/checkpoint")).status_code == 200 and r.content,
+                      timeout=60, what="a sweep to promote the dead owner's model.pt")
+    assert hashlib.sha256(body).hexdigest() == digest
+    assert sorted(p.name for p in paths.job_dir(orphan.id).iterdir()) == ["model.pt"]

@@ -41,8 +41,8 @@ def fuzz_api(redis_base_url: str, tmp_path_factory: pytest.TempPathFactory) -> I
 
 def _schema():
     """The app's own OpenAPI document, built in-process (no Redis touched) so operations are known at collection."""
-    from app.core.config import Settings
     from app.main import create_app
+    from core.config import Settings
 
     return schemathesis.openapi.from_dict(create_app(Settings(redis_url="redis://127.0.0.1:1/0")).openapi())
 

@@ -44,7 +44,7 @@ def test_metrics_exposition(stack: dict) -> None:
     assert client.get("/jobs/not-a-job-123").status_code == 404
 
     # A long job runs (its epoch throughput shows) while a second one waits in Celery's queue.
-    running = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 200}).json()
+    running = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 200, "patience": 0}).json()
     waiting = None
     try:
         wait_for_job(client, running["id"], {"running"}, timeout=60)

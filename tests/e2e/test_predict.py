@@ -213,7 +213,7 @@ def test_bad_input_never_harms_the_worker(own: dict) -> None:
 
 def test_a_training_device_still_answers(own: dict) -> None:
     client, job = own["client"], own["a"]
-    long = client.post("/jobs", json={"model": "resnet18", "dataset": "fake", "epochs": 200}).json()
+    long = client.post("/jobs", json={"model": "resnet18", "dataset": "fake", "epochs": 200, "patience": 0}).json()
     try:
         wait_for_job(client, long["id"], {"running"}, timeout=60)
         wait_until(lambda: client.get(f"/jobs/{long['id']}").json()["progress"]["step"] > 0, timeout=60,

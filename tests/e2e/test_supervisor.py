@@ -27,7 +27,7 @@ def test_up_starts_stack_and_stops_everything(tmp_path, sig) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHYARD_REDIS_URL", "TORCHYARD_API_KEY")}
     env.update(TORCHYARD_DATA_DIR=str(tmp_path / "var"), TORCHYARD_PORT=str(port), TORCHYARD_DEVICES="auto",
                TORCHYARD_HEARTBEAT_INTERVAL_S="0.5", PYTHONUNBUFFERED="1")
-    log = open(tmp_path / "up.log", "wb")
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - the process's stdout for its whole life
     up = subprocess.Popen([sys.executable, "-m", "app.cli", "up"], cwd=REPO, env=env, stdout=log,
                           stderr=subprocess.STDOUT, start_new_session=True)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
@@ -53,6 +53,78 @@ def test_up_starts_stack_and_stops_everything(tmp_path, sig) -> None:
         alive = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert alive == [], f"left running: {[p.cmdline() for p in alive]}"
         assert "restarting worker-cpu" in (tmp_path / "up.log").read_text()
+    finally:
+        client.close()
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGKILL)
+
+
+def test_up_guards_its_data_dir_restarts_redis_and_a_broken_worker(tmp_path) -> None:
+    """One `up`: a second `up` on its data dir refuses and disturbs nothing; a worker whose device
+    breaks mid-step (the CPU twin of a sticky CUDA error) requeues its job, shows `broken`, exits 3
+    and is restarted; redis-server SIGKILLed while that job trains is restarted on the same data;
+    the job ends `succeeded`, delivered twice, its epochs recorded once."""
+    from tests.datagen import shapes_zip
+
+    port = free_port()
+    fault = tmp_path / "device-fault"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
+    env.update(TORCHYARD_DATA_DIR=str(tmp_path / "var"), TORCHYARD_PORT=str(port), TORCHYARD_DEVICES="cpu",
+               TORCHYARD_HEARTBEAT_INTERVAL_S="0.5", TORCHYARD_HEARTBEAT_TTL_S="3", TORCHYARD_LEASE_TTL_S="3",
+               TORCHYARD_DEVICE_FAULT_FILE=str(fault), PYTHONUNBUFFERED="1")
+    log_path = tmp_path / "up.log"
+    up = subprocess.Popen([sys.executable, "-m", "app.cli", "up"], cwd=REPO, env=env,
+                          stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                          start_new_session=True)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+    try:
+        wait_until(lambda: client.get("/readyz").status_code == 200, timeout=120, what="the stack to be ready")
+
+        second = subprocess.run([sys.executable, "-m", "app.cli", "up"], cwd=REPO, capture_output=True, text=True,
+                                env={**env, "TORCHYARD_PORT": str(free_port())}, timeout=120)
+        assert second.returncode == 2, second.stdout + second.stderr
+        assert f"in use by another `torchyard up` (pid {up.pid})" in second.stdout + second.stderr
+        assert client.get("/readyz").status_code == 200 and client.get("/jobs").status_code == 200
+
+        uploaded = client.post("/datasets", data={"name": "shapes"},
+                               files={"file": ("s.zip", shapes_zip(per_class=24, corrupt=None), "application/zip")})
+        assert uploaded.status_code == 201, uploaded.text
+        epochs = 6
+        job_id = client.post("/jobs", json={"model": "cifar_net", "dataset": uploaded.json()["id"], "epochs": epochs,
+                                            "batch_size": 8}).json()["id"]
+        wait_until(lambda: (j := client.get(f"/jobs/{job_id}").json())["status"] == "running"
+                   and j["progress"]["step"] > 0, timeout=120, what="the job to train")
+        fault.write_text("CUDA error: device-side assert triggered")
+        broken = wait_until(lambda: [d for d in client.get("/devices").json()["devices"] if d["status"] == "broken"],
+                            timeout=60, interval=0.1, what="/devices to show the broken device")
+        assert "device-side assert triggered" in broken[0]["fault"]
+        wait_until(lambda: "worker-cpu exited with code 3" in log_path.read_text(), timeout=60,
+                   what="the broken worker to exit with status 3")
+
+        second_run = wait_until(lambda: (j := client.get(f"/jobs/{job_id}").json())["status"] == "running"
+                                and j["attempts"] == 2 and j["progress"]["step"] > 0 and j, timeout=180,
+                                what="a fresh worker to resume the job")
+        assert second_run["resumed_from_epoch"] is None or second_run["resumed_from_epoch"] >= 1
+        redis_server = next(p for p in _descendants(up.pid) if "redis-server" in " ".join(p.cmdline()))
+        redis_server.kill()
+        killed = time.monotonic()
+        wait_until(lambda: "embedded Redis restarted" in log_path.read_text(), timeout=60, what="Redis restarted")
+        wait_until(lambda: client.get("/readyz").status_code == 200, timeout=60, what="the stack after Redis died")
+        assert time.monotonic() - killed < 60
+
+        done = wait_until(lambda: (j := client.get(f"/jobs/{job_id}").json())["status"] in ("succeeded", "failed")
+                          and j, timeout=180, what="the job to end")
+        assert done["status"] == "succeeded" and done["attempts"] == 2, done
+        assert [m["epoch"] for m in done["metrics"]] == list(range(1, epochs + 1))
+        with client.stream("GET", f"/jobs/{job_id}/events") as response:
+            text = response.read().decode()
+        assert "went out of service (CUDA error: device-side assert triggered)" in text
+        assert text.count("event: metrics") == epochs
+        wait_until(lambda: [(d["status"], d["fault"]) for d in client.get("/devices").json()["devices"]]
+                   == [("idle", None)], timeout=10, what="the fresh worker idle, with no fault")
+
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(90) == 0
     finally:
         client.close()
         if up.poll() is None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.core.archives import ArchiveLimits, extract_image_folder
+from core.archives import ArchiveLimits, extract_image_folder
 from tests.datagen import CIFAR_CLASSES, SHAPE_CLASSES, shapes_zip, write_cifar10, write_mnist
 from worker.data import DatasetUnavailable, load_fake, load_image_folder, load_torchvision, split
 
@@ -57,7 +57,7 @@ def test_image_folder_skips_corrupt_and_converts(tmp_path: Path) -> None:
     extracted = extract_image_folder(io.BytesIO(shapes_zip(per_class=5)), dest, LIMITS)
     assert extracted.classes == list(SHAPE_CLASSES)
     assert [s.path for s in extracted.skipped] == ["shapes/circle/broken.png"]
-    assert extracted.class_counts == {c: 5 for c in SHAPE_CLASSES}
+    assert extracted.class_counts == dict.fromkeys(SHAPE_CLASSES, 5)
 
     gray = load_image_folder(dest, 1, 50, 50)  # catdog_net's input: grayscale 50×50
     assert gray.images.shape == (15, 1, 50, 50) and gray.classes == list(SHAPE_CLASSES)
@@ -69,7 +69,7 @@ def test_image_folder_skips_corrupt_and_converts(tmp_path: Path) -> None:
 
 
 def test_no_usable_class_is_refused(tmp_path: Path) -> None:
-    from app.core.errors import InvalidInput
+    from core.errors import InvalidInput
 
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:

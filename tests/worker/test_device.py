@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from core.clock import utc_now_iso
+from core.schemas import Device
 from tests.support import REPO
 from worker.device import (
     PINNED_MARKER,
@@ -81,7 +83,7 @@ def test_cpu_device_names() -> None:
 def test_cli_and_supervisor_never_import_torch() -> None:
     """The supervisor must not touch CUDA; importing torch is where that would start."""
     code = ("import sys, app.cli, app.supervisor, worker.device\n"
-            "from app.core.config import Settings\n"
+            "from core.config import Settings\n"
             "from app.supervisor import Supervisor\n"
             "Supervisor(Settings(devices='0,1', redis_url='redis://127.0.0.1:1/0')).plan('redis://127.0.0.1:1/0')\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
@@ -90,8 +92,8 @@ def test_cli_and_supervisor_never_import_torch() -> None:
 
 
 def test_supervisor_plan_pins_one_worker_per_gpu(tmp_path) -> None:
-    from app.core.config import Settings
     from app.supervisor import Supervisor
+    from core.config import Settings
 
     children = Supervisor(Settings(devices="0,2", data_dir=tmp_path)).plan("redis://127.0.0.1:1/0")
     workers = {c.name: c for c in children if c.name.startswith("worker")}
@@ -104,13 +106,21 @@ def test_supervisor_plan_pins_one_worker_per_gpu(tmp_path) -> None:
     assert cpu.argv[-1] == "cpu" and cpu.env["CUDA_VISIBLE_DEVICES"] == ""
 
 
+def _record(device: WorkerDevice, pid: int, status: str = "idle") -> Device:
+    """A heartbeat record as a worker of `device` with process `pid` publishes it."""
+    return Device(id=device.id, type=device.kind, index=device.index, name="CPU", memory_total_bytes=None,
+                  memory_used_bytes=None, utilization_percent=None, worker=device.worker_name, status=status,
+                  current_job=None, loaded_models=[], last_heartbeat=utc_now_iso(), pid=pid)
+
+
 def test_device_lock_refuses_a_live_holder_and_takes_over_from_a_crashed_one(clean_redis_url: str) -> None:
     """The registry's alive key is the device lock (real Redis)."""
     import redis as redis_lib
 
-    from app.core.devices import DeviceRegistry, alive_key
-    from app.core.errors import DeviceInUse
-    from worker.runtime import _crashed_here
+    from core import keys
+    from core.devices import DeviceRegistry
+    from core.errors import DeviceInUse
+    from worker.main import _crashed_here
 
     device = WorkerDevice("cpu", None, "hosta")
     client = redis_lib.Redis.from_url(clean_redis_url, decode_responses=True)
@@ -119,7 +129,7 @@ def test_device_lock_refuses_a_live_holder_and_takes_over_from_a_crashed_one(cle
         registry.acquire(device.id, "first")
         crashed = subprocess.Popen([sys.executable, "-c", "pass"])
         crashed.wait()
-        registry.publish(device.id, "first", {"worker": device.worker_name, "pid": crashed.pid})
+        registry.publish(device.id, "first", _record(device, crashed.pid))
         alive_pid = {"worker": device.worker_name, "pid": os.getpid()}
         assert _crashed_here({"worker": device.worker_name, "pid": crashed.pid}, device)
         assert not _crashed_here(alive_pid, device)
@@ -128,13 +138,13 @@ def test_device_lock_refuses_a_live_holder_and_takes_over_from_a_crashed_one(cle
         with pytest.raises(DeviceInUse, match=f"already held by cpu@hosta \\(pid {crashed.pid}\\)"):
             registry.acquire(device.id, "second")  # the TTL has not lapsed and nobody says it crashed
         registry.acquire(device.id, "second", holder_is_dead=lambda holder: _crashed_here(holder, device))
-        assert client.get(alive_key(device.id)) == "second"
-        assert not registry.publish(device.id, "first", {"worker": device.worker_name, "pid": 1})  # the old one lost it
+        assert client.get(keys.device_alive(device.id)) == "second"
+        assert not registry.publish(device.id, "first", _record(device, 1))  # the old one lost it
         assert registry.state(device.id)["pid"] == crashed.pid  # and cannot overwrite the new holder's record
-        registry.release(device.id, "first", {"worker": device.worker_name, "pid": 1, "status": "offline"})
-        assert client.get(alive_key(device.id)) == "second" and registry.state(device.id)["pid"] == crashed.pid
-        registry.release(device.id, "second", {"worker": device.worker_name, "pid": 2, "status": "offline"})
-        assert client.get(alive_key(device.id)) is None and registry.state(device.id)["pid"] == 2
+        registry.release(device.id, "first", _record(device, 1, "offline"))
+        assert client.get(keys.device_alive(device.id)) == "second" and registry.state(device.id)["pid"] == crashed.pid
+        registry.release(device.id, "second", _record(device, 2, "offline"))
+        assert client.get(keys.device_alive(device.id)) is None and registry.state(device.id)["pid"] == 2
     finally:
         client.close()
 
@@ -142,14 +152,15 @@ def test_device_lock_refuses_a_live_holder_and_takes_over_from_a_crashed_one(cle
 def test_a_lapsed_heartbeat_takes_its_free_device_back(clean_redis_url: str) -> None:
     import redis as redis_lib
 
-    from app.core.devices import DeviceRegistry, alive_key
+    from core import keys
+    from core.devices import DeviceRegistry
 
     client = redis_lib.Redis.from_url(clean_redis_url, decode_responses=True)
     try:
         registry = DeviceRegistry(client, ttl_s=30)
         registry.acquire("hosta/cpu", "first")
-        client.delete(alive_key("hosta/cpu"))  # as if the TTL lapsed while the worker stalled
-        assert registry.publish("hosta/cpu", "first", {"pid": 1})
-        assert client.get(alive_key("hosta/cpu")) == "first" and client.pttl(alive_key("hosta/cpu")) > 0
+        client.delete(keys.device_alive("hosta/cpu"))  # as if the TTL lapsed while the worker stalled
+        assert registry.publish("hosta/cpu", "first", _record(WorkerDevice("cpu", None, "hosta"), 1))
+        assert client.get(keys.device_alive("hosta/cpu")) == "first" and client.pttl(keys.device_alive("hosta/cpu")) > 0
     finally:
         client.close()

@@ -3,7 +3,6 @@ the way training does, the resident-model LRU, and dynamic batching through the 
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import os
@@ -15,12 +14,14 @@ import redis
 import torch
 from PIL import Image
 
-from app.core.devices import predict_queue
-from app.core.storage import CheckpointPaths
+from core import keys
+from core.storage import CheckpointPaths
+from core.wire import PredictRequest, WireImage
 from models.registry import build_model
 from worker.checkpoint import CheckpointError, ModelMeta, Preprocessing, save_model
 from worker.device import WorkerDevice
-from worker.inference import BadImage, InferenceServer, ModelCache, decode_image
+from worker.inference import BadImage, InferenceServer, decode_image
+from worker.model_cache import ModelCache
 from worker.preprocess import image_to_array, normalize, stats_tensors
 
 META = ModelMeta("cifar_net", 10, [f"c{i}" for i in range(10)],
@@ -120,9 +121,8 @@ def test_cache_evicts_by_bytes(tmp_path) -> None:
 
 def _request(job_id: str, images: list[bytes], reply_to: str, top_k: int = 3) -> str:
     now = time.time()
-    return json.dumps({"job_id": job_id, "top_k": top_k, "reply_to": reply_to, "t": now, "deadline": now + 30,
-                       "images": [{"filename": f"{i}.png", "data": base64.b64encode(d).decode()}
-                                  for i, d in enumerate(images)]})
+    return PredictRequest(job_id=job_id, top_k=top_k, reply_to=reply_to, queued_at=now, deadline=now + 30,
+                          images=[WireImage(filename=f"{i}.png", data=d) for i, d in enumerate(images)]).encode()
 
 
 def test_queued_requests_run_as_one_batch_and_bad_ones_are_answered_alone(clean_redis_url: str, tmp_path) -> None:
@@ -133,7 +133,7 @@ def test_queued_requests_run_as_one_batch_and_bad_ones_are_answered_alone(clean_
     server = InferenceServer(client, device, ModelCache(paths, "cpu", 2, 1 << 30), max_batch=32, max_wait_ms=5,
                              max_pixels=10_000)
     pngs = [_encode(_rgb(10 + i), "PNG") for i in range(7)]
-    queue = predict_queue(device.id)
+    queue = keys.predict_queue(device.id)
     for i, png in enumerate(pngs[:6]):
         client.rpush(queue, _request("job-a", [png], f"reply:{i}"))
     client.rpush(queue, _request("job-a", [pngs[6], pngs[0]], "reply:two"))  # two files in one request

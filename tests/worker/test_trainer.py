@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.core.schemas import EpochMetrics, Progress
+from core.params import resolve_params
+from core.schemas import EpochMetrics, JobSpec, Progress
 from worker.checkpoint import load_payload
 from worker.data import ImageTensors, load_fake
-from worker.trainer import StopTraining, Trainer, plan_training
+from worker.job_context import StopJob
+from worker.trainer import Trainer, plan_training
 
 
 class Reporter:
@@ -19,15 +21,21 @@ class Reporter:
         self.epochs: list[EpochMetrics] = []
         self.progress_events: list[Progress] = []
         self.resumed_from: list[int] = []
+        self.resume_states: list[Path | None] = []
+        self.notices: list[tuple[str, dict, str]] = []
 
     def progress(self, progress: Progress) -> None:
         self.progress_events.append(progress)
 
-    def epoch(self, metrics: EpochMetrics) -> None:
+    def epoch(self, metrics: EpochMetrics, resume: Path | None = None) -> None:
         self.epochs.append(metrics)
+        self.resume_states.append(resume)
 
     def resumed(self, epoch: int) -> None:
         self.resumed_from.append(epoch)
+
+    def notice(self, kind: str, data: dict, message: str) -> None:
+        self.notices.append((kind, data, message))
 
 
 def small_fake(n: int = 400) -> ImageTensors:
@@ -36,12 +44,13 @@ def small_fake(n: int = 400) -> ImageTensors:
 
 
 def make_trainer(tmp_path: Path, data: ImageTensors, epochs: int, reporter: Reporter, stop=lambda: None,
-                 **overrides) -> Trainer:
-    plan = plan_training("job1", "cifar_net", {"epochs": epochs, "seed": 0, "val_fraction": 0.2,
-                                               "batch_size": 64}, data, torch.device("cpu"), 3, 32, 32)
+                 resume_from: Path | None = None, **overrides) -> Trainer:
+    params = resolve_params(JobSpec(model="cifar_net", dataset="fake", epochs=epochs, val_fraction=0.2,
+                                    batch_size=64))
+    plan = plan_training("job1", "cifar_net", params, data, torch.device("cpu"), 3, 32, 32)
     plan = replace(plan, **overrides)
-    return Trainer(plan, data, final_path=tmp_path / "model.pt", resume_path=tmp_path / "resume.pt",
-                   reporter=reporter, should_stop=stop)
+    return Trainer(plan, data, final_path=tmp_path / "model.pt", resume_from=resume_from,
+                   resume_to=lambda epoch: tmp_path / f"resume-{epoch}.pt", reporter=reporter, should_stop=stop)
 
 
 def test_trains_and_records_preprocessing(tmp_path: Path) -> None:
@@ -74,20 +83,22 @@ def test_resume_continues_after_the_last_finished_epoch(tmp_path: Path) -> None:
         calls["n"] += 1
         return "shutdown" if calls["n"] > 2 * steps_per_epoch + 2 else None
 
-    with pytest.raises(StopTraining) as info:
+    with pytest.raises(StopJob) as info:
         make_trainer(tmp_path, data, 4, first, stop_in_epoch_three).run()
     assert info.value.reason == "shutdown"
     assert [m.epoch for m in first.epochs] == [1, 2]
-    assert load_payload(tmp_path / "resume.pt", map_location="cpu")["epoch"] == 2
+    # Each epoch's resume state is a file of its own, handed over with that epoch's metrics.
+    assert first.resume_states == [tmp_path / "resume-1.pt", tmp_path / "resume-2.pt"]
+    assert load_payload(tmp_path / "resume-2.pt", map_location="cpu")["epoch"] == 2
 
     second = Reporter()
-    make_trainer(tmp_path, data, 4, second).run()
+    make_trainer(tmp_path, data, 4, second, resume_from=first.resume_states[-1]).run()
     assert second.resumed_from == [2]
     assert [m.epoch for m in second.epochs] == [3, 4]  # never from zero
 
 
 def test_stop_before_the_first_step(tmp_path: Path) -> None:
     reporter = Reporter()
-    with pytest.raises(StopTraining):
+    with pytest.raises(StopJob):
         make_trainer(tmp_path, small_fake(100), 2, reporter, lambda: "cancelled").run()
     assert reporter.epochs == [] and not (tmp_path / "model.pt").exists()

@@ -1,22 +1,39 @@
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, File, Form, Response, UploadFile
+from fastapi import APIRouter, Request, Response
+from starlette.concurrency import run_in_threadpool
 
 from app.api.deps import ServicesDep
-from app.core.datasets import DatasetRecord
-from app.core.errors import TooLarge
+from app.api.uploads import stream_upload
+from core.datasets import DatasetRecord
+from core.errors import InvalidInput
 
 router = APIRouter(tags=["datasets"])
 
+# The body is streamed to disk by app/api/uploads.py (no spooling, the cap enforced as it arrives),
+# so its schema is declared here for the OpenAPI document.
+_BODY = {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file"],
+    "properties": {
+        "file": {"type": "string", "format": "binary", "description": "ImageFolder zip"},
+        "name": {"type": "string", "minLength": 1, "maxLength": 200},
+    }}}}}
 
-@router.post("/datasets", status_code=201, response_model=DatasetRecord)
-def upload_dataset(services: ServicesDep, file: Annotated[UploadFile, File(description="ImageFolder zip")],
-                   name: Annotated[str | None, Form(max_length=200)] = None) -> DatasetRecord:
-    if file.size is not None and file.size > services.settings.max_upload_bytes:
-        raise TooLarge(f"upload is {file.size} bytes; the limit is {services.settings.max_upload_bytes}")
-    return services.datasets.upload(file.file, name)
+
+@router.post("/datasets", status_code=201, response_model=DatasetRecord, openapi_extra={"requestBody": _BODY},
+             responses={413: {"description": "over a size limit"}, 415: {"description": "not a zip"},
+                        422: {"description": "malformed form or unusable archive"}})
+async def upload_dataset(services: ServicesDep, request: Request) -> DatasetRecord:
+    """Upload an ImageFolder zip (`<class>/<image>`); unreadable images are skipped and listed."""
+    catalog = services.datasets
+    upload = await stream_upload(request, catalog.new_upload_path(), max_file_bytes=services.settings.max_upload_bytes)
+    try:
+        name = upload.fields.get("name") or None
+        if name is not None and len(name) > 200:
+            raise InvalidInput("name: at most 200 characters")
+        return await run_in_threadpool(catalog.upload, upload.path, name)
+    finally:
+        upload.path.unlink(missing_ok=True)
 
 
 @router.get("/datasets")

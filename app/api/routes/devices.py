@@ -3,7 +3,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from app.api.deps import ServicesDep
-from app.core.schemas import DeviceList
+from core.schemas import DeviceList
 
 router = APIRouter(tags=["devices"])
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from app.api.deps import ServicesDep, require_api_key
-from app.core.schemas import Health
+from app.api.deps import ServicesDep, bearer_scheme
+from core.schemas import Health
 
 router = APIRouter(tags=["health"])
 
@@ -15,7 +15,7 @@ def healthz() -> Health:
     return Health(status="ok")
 
 
-@router.get("/readyz", response_model=Health, dependencies=[Depends(require_api_key)],
+@router.get("/readyz", response_model=Health, dependencies=[Depends(bearer_scheme)],
             responses={503: {"description": "Redis or every worker is missing"}})
 def readyz(services: ServicesDep) -> Health | JSONResponse:
     try:

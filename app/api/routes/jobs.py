@@ -2,14 +2,15 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Query, Request, Response
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi import APIRouter, Header, Query, Response
+from fastapi.responses import FileResponse
+from sse_starlette import EventSourceResponse
 
 from app.api.deps import ServicesDep
-from app.api.sse import job_event_stream, parse_last_event_id
-from app.core.errors import NotFound
-from app.core.schemas import Job, JobList, JobSpec, JobStatus
-from app.core.storage import CheckpointPaths
+from app.api.sse import job_event_response, parse_last_event_id
+from core.errors import NotFound
+from core.schemas import EvaluateSpec, Evaluation, Job, JobList, JobSpec, JobStatus
+from core.storage import CheckpointPaths
 
 router = APIRouter(tags=["jobs"])
 
@@ -18,8 +19,9 @@ router = APIRouter(tags=["jobs"])
              responses={200: {"description": "An earlier request with this Idempotency-Key", "model": Job}})
 def create_job(services: ServicesDep, spec: JobSpec, response: Response,
                idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> Job:
-    job, created = services.training.submit(spec, idempotency_key)
+    job, created = services.submission.submit(spec, idempotency_key)
     services.devices.annotate([job])
+    services.datasets.annotate([job])
     response.status_code = 202 if created else 200
     response.headers["Location"] = f"/jobs/{job.id}"
     return job
@@ -28,14 +30,25 @@ def create_job(services: ServicesDep, spec: JobSpec, response: Response,
 @router.get("/jobs", response_model=JobList)
 def list_jobs(services: ServicesDep, status: JobStatus | None = None,
               limit: Annotated[int, Query(ge=1, le=500)] = 50, cursor: str | None = None) -> JobList:
-    page = services.jobs.list(status, limit, cursor)
+    page = services.jobs.page(status, limit, cursor)
     services.devices.annotate(page.jobs)
+    services.datasets.annotate(page.jobs)
     return page
 
 
 @router.get("/jobs/{job_id}", response_model=Job)
 def get_job(services: ServicesDep, job_id: str) -> Job:
-    return services.devices.annotate([services.jobs.get(job_id)])[0]
+    job = services.devices.annotate([services.jobs.get(job_id)])[0]
+    services.datasets.annotate([job])
+    return services.evaluations.attach(job)
+
+
+@router.delete("/jobs/{job_id}", status_code=204,
+               responses={409: {"description": "queued or running (cancel it first), or kept by a protection"}})
+def delete_job(services: ServicesDep, job_id: str) -> Response:
+    """A finished job: its record, events, checkpoint and other files (core/retention.JobDeletion)."""
+    services.deletion.delete(job_id)
+    return Response(status_code=204)
 
 
 @router.post("/jobs/{job_id}/cancel", status_code=202, response_model=Job)
@@ -43,15 +56,13 @@ def cancel_job(services: ServicesDep, job_id: str) -> Job:
     return services.jobs.request_cancel(job_id)
 
 
-@router.get("/jobs/{job_id}/events", response_class=StreamingResponse,
+@router.get("/jobs/{job_id}/events", response_class=EventSourceResponse,
             responses={200: {"content": {"text/event-stream": {}}}})
-def job_events(services: ServicesDep, job_id: str, request: Request,
-               last_event_id: Annotated[str | None, Header()] = None) -> StreamingResponse:
+def job_events(services: ServicesDep, job_id: str,
+               last_event_id: Annotated[str | None, Header()] = None) -> EventSourceResponse:
     services.jobs.get(job_id)  # 404 before the stream starts
     last_event_id = parse_last_event_id(last_event_id)  # 422 before the stream starts
-    return StreamingResponse(job_event_stream(services.aredis, job_id, last_event_id, request),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return job_event_response(services.aredis, job_id, last_event_id)
 
 
 @router.get("/jobs/{job_id}/checkpoint", response_class=FileResponse,
@@ -63,3 +74,18 @@ def download_checkpoint(services: ServicesDep, job_id: str) -> FileResponse:
         raise NotFound(f"job {job_id} has no checkpoint (it is {job.status.value})")
     return FileResponse(path, media_type="application/octet-stream", filename=f"{job.model}-{job_id}.pt",
                         headers={"X-Checkpoint-SHA256": job.checkpoint.sha256})
+
+
+@router.post("/jobs/{job_id}/evaluate", status_code=202, response_model=Evaluation,
+             responses={200: {"description": "An earlier request with this Idempotency-Key", "model": Evaluation}})
+def evaluate_job(services: ServicesDep, job_id: str, spec: EvaluateSpec, response: Response,
+                 idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> Evaluation:
+    evaluation, created = services.evaluations.submit(job_id, spec, idempotency_key)
+    response.status_code = 202 if created else 200
+    response.headers["Location"] = f"/jobs/{job_id}/evaluations/{evaluation.id}"
+    return evaluation
+
+
+@router.get("/jobs/{job_id}/evaluations/{evaluation_id}", response_model=Evaluation)
+def get_evaluation(services: ServicesDep, job_id: str, evaluation_id: str) -> Evaluation:
+    return services.evaluations.get(job_id, evaluation_id)

@@ -7,7 +7,7 @@ import time
 from fastapi import APIRouter, FastAPI, Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.core.metrics import CONTENT_TYPE, ClusterSource, Metrics
+from app.api.metrics import CONTENT_TYPE, ClusterSource, Metrics
 
 router = APIRouter(tags=["metrics"])
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from app.core.schemas import ModelInfo, ModelInput, ModelList
+from core.schemas import ModelInfo, ModelInput, ModelList
 from models.registry import MODELS
 
 router = APIRouter(tags=["models"])

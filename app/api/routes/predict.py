@@ -4,35 +4,41 @@ from fastapi import APIRouter, Request, Response
 
 from app.api.deps import ServicesDep
 from app.api.multipart import read_form
-from app.core.errors import InvalidInput, TooLarge
-from app.core.predictions import UploadedImage
-from app.core.schemas import PredictResponse
+from app.api.predictions import UploadedImage
+from core.errors import InvalidInput, TooLarge
+from core.schemas import PredictResponse
 
 router = APIRouter(tags=["predict"])
 
 # The body is read by app/api/multipart.py (FastAPI's form parsing was a third of the API's CPU
 # per prediction), so its schema is declared here for the OpenAPI document.
 _BODY = {"required": True, "content": {"multipart/form-data": {"schema": {
-    "type": "object", "required": ["file", "job_id"],
+    "type": "object", "required": ["file"],
     "properties": {
         "file": {"type": "array", "items": {"type": "string", "format": "binary"},
                  "description": "One or more images: PNG, JPEG, WebP, BMP, GIF (first frame)."},
-        "job_id": {"type": "string", "minLength": 1, "maxLength": 200, "description": "A succeeded job."},
+        "job_id": {"type": "string", "minLength": 1, "maxLength": 200,
+                   "description": "A succeeded job (exactly one of job_id and alias)."},
+        "alias": {"type": "string", "minLength": 1, "maxLength": 64,
+                  "description": "An alias (PUT /aliases/{name}) instead of job_id; the response names both."},
         "top_k": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 5},
     }}}}}
 
 
 @router.post("/predict", response_model=PredictResponse, openapi_extra={"requestBody": _BODY},
-             responses={404: {"description": "no such job"}, 409: {"description": "job not succeeded"},
+             responses={404: {"description": "no such job or alias"}, 409: {"description": "job not succeeded"},
                         413: {"description": "too large (bytes, pixels or images per request)"},
                         415: {"description": "not an image"}, 422: {"description": "malformed form"},
                         503: {"description": "no live worker answered"}})
 async def predict(services: ServicesDep, request: Request) -> Response:
-    """Classify one or more images (`file` parts) with a succeeded job's model, on a live worker."""
+    """Classify one or more images (`file` parts) with a succeeded job's model (`job_id`, or an `alias`
+    that names one), on a live worker."""
     settings = services.settings
     form = await read_form(request, max_parts=settings.max_images_per_request + 8, file_fields=frozenset({"file"}))
-    job_id = form.fields.get("job_id", "")
-    if not 1 <= len(job_id) <= 200:
+    job_id, alias = form.fields.get("job_id") or None, form.fields.get("alias") or None
+    if (job_id is None) == (alias is None):
+        raise InvalidInput("send exactly one of the form fields job_id and alias")
+    if job_id is not None and len(job_id) > 200:
         raise InvalidInput("job_id: a form field of 1 to 200 characters is required")
     try:
         top_k = int(form.fields.get("top_k", "5"))
@@ -46,4 +52,5 @@ async def predict(services: ServicesDep, request: Request) -> Response:
     if not images:
         raise InvalidInput("file: send at least one image as a `file` part")
     # The worker's JSON is already a PredictResponse: pass it through rather than validate and re-encode it.
-    return Response(await services.predictions.predict(job_id, images, top_k), media_type="application/json")
+    return Response(await services.predictions.predict(job_id, images, top_k, alias=alias),
+                    media_type="application/json")

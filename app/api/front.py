@@ -1,0 +1,348 @@
+"""The front gate: every HTTP request is judged on its headers, before routing and before a single
+body byte is read; then the body it is allowed is counted and timed as it streams.
+
+Why a pure-ASGI layer and not FastAPI dependencies: FastAPI reads (and parses, and spools to
+disk) a request's body before it runs a route's dependencies, so a key checked in a dependency
+is checked after a 300 MiB body has been received (issue #13: measured). Here, in order:
+
+1. Host (400): on a loopback bind only localhost names and TORCHYARD_ALLOWED_HOSTS are served,
+   so a web page cannot reach a local `make run` through DNS rebinding.
+2. Origin (403): a browser's state-changing request (POST, PUT, PATCH, DELETE) from another
+   origin is refused; the dashboard is same-origin; TORCHYARD_ALLOWED_ORIGINS adds others.
+3. API key (401 with `WWW-Authenticate: Bearer`), unless the route is open (ROUTES).
+4. Declared `Content-Length` against the route's cap (413), then the content type (415).
+5. The body as it streams: bytes counted against the cap (chunked bodies declare nothing; 413),
+   and a deadline (408) of `body_timeout_s` plus one second per `min_body_rate` bytes received,
+   the rule of Apache's mod_reqtimeout, so a client trickling a body cannot hold a request open.
+
+A refusal sent before the body was read carries `Connection: close`: uvicorn would otherwise keep
+reading (and discarding) the rest of the body to reach the next request on the connection.
+What uvicorn does not time out (slow headers) is handled in app/server.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from starlette.exceptions import HTTPException
+from starlette.routing import compile_path
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from core.config import Settings
+
+JSON = frozenset({"application/json"})
+MULTIPART = frozenset({"multipart/form-data"})
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+LOCAL_HOST_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+@dataclass(frozen=True)
+class RoutePolicy:
+    """What a route accepts before it runs."""
+
+    open: bool = False  # served without the API key (holds no data)
+    max_body: int | None = None  # bytes; None: TORCHYARD_MAX_JSON_BYTES
+    content_types: frozenset[str] = field(default_factory=frozenset)  # of a body; empty: any
+
+
+@dataclass(frozen=True)
+class Rule:
+    methods: frozenset[str]
+    path: str  # a Starlette path template
+    policy: RoutePolicy
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_regex", compile_path(self.path)[0])
+
+    def matches(self, method: str, path: str) -> bool:
+        return method in self.methods and self._regex.match(path) is not None  # type: ignore[attr-defined]
+
+
+def predict_body_cap(settings: Settings) -> int:
+    """/predict: at most max_images_per_request images of max_image_bytes each, plus multipart framing."""
+    return settings.max_images_per_request * (settings.max_image_bytes + 64 * 1024) + 1024**2
+
+
+def route_rules(settings: Settings) -> list[Rule]:
+    """THE route table of the gate: which paths are open, which bodies each takes. A route not
+    listed needs the key and takes a body of at most TORCHYARD_MAX_JSON_BYTES of any type (the
+    routes without a body ignore it). FastAPI's own /docs and /openapi.json need the key."""
+    read = frozenset({"GET", "HEAD"})
+    return [
+        Rule(read, "/healthz", RoutePolicy(open=True)),
+        Rule(read, "/", RoutePolicy(open=True)),  # the dashboard page: no data (its calls send the key)
+        Rule(read, "/static/{path:path}", RoutePolicy(open=True)),
+        Rule(frozenset({"POST"}), "/jobs", RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
+        Rule(frozenset({"POST"}), "/datasets",
+             RoutePolicy(max_body=settings.request_body_limit, content_types=MULTIPART)),
+        Rule(frozenset({"POST"}), "/predict", RoutePolicy(max_body=predict_body_cap(settings), content_types=MULTIPART)),
+        Rule(frozenset({"PUT"}), "/aliases/{name}", RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
+        Rule(frozenset({"POST"}), "/jobs/{job_id}/evaluate",
+             RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
+        Rule(frozenset({"POST"}), "/aliases/{name}/rollback",
+             RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
+    ]
+
+
+class RouteTable:
+    def __init__(self, settings: Settings) -> None:
+        self.rules = route_rules(settings)
+        self.default = RoutePolicy()
+        self.ceiling = settings.request_body_limit  # no route takes more than TORCHYARD_MAX_REQUEST_BYTES
+        self.max_json = settings.max_json_bytes
+        # Plain paths by dict (a request costs one lookup: /predict is the hot path), templates by regex.
+        self.exact = {(m, r.path): r.policy for r in self.rules if "{" not in r.path for m in r.methods}
+        self.templated = [r for r in self.rules if "{" in r.path]
+
+    def policy(self, method: str, path: str) -> RoutePolicy:
+        found = self.exact.get((method, path))
+        if found is not None:
+            return found
+        for rule in self.templated:
+            if rule.matches(method, path):
+                return rule.policy
+        return self.default
+
+    def body_cap(self, policy: RoutePolicy) -> int:
+        return min(self.ceiling, self.max_json if policy.max_body is None else policy.max_body)
+
+
+class HostCheck:
+    """DNS rebinding: a page on evil.example whose name now resolves to 127.0.0.1 reaches a local
+    server with `Host: evil.example`. On a loopback bind only localhost names (and the configured
+    ones) are served; on another bind only when TORCHYARD_ALLOWED_HOSTS is set ('*': any)."""
+
+    def __init__(self, settings: Settings) -> None:
+        names = settings.allowed_host_names
+        self.enforced = "*" not in names and (settings.binds_loopback or bool(names))
+        self.allowed = LOCAL_HOST_NAMES | {settings.host.strip("[]").lower()} | set(names)
+        self._seen: dict[bytes, bool] = {}
+
+    def allows(self, host: bytes | None) -> bool:
+        if not self.enforced or host is None:  # HTTP/1.0 without Host: no browser sends that
+            return True
+        known = self._seen.get(host)
+        if known is None:
+            name = _host_name(host.decode("latin-1"))
+            known = name in self.allowed or name.endswith(".localhost")  # *.localhost is loopback (RFC 6761)
+            if len(self._seen) < 256:  # the few names a server is called by; never a client-sized cache
+                self._seen[host] = known
+        return known
+
+
+def _host_name(host: str) -> str:
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    if host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host.rstrip(".")
+
+
+def _without_default_port(netloc: str) -> str:
+    return re.sub(r":(80|443)$", "", netloc.strip().lower())
+
+
+class OriginCheck:
+    """A browser sends `Origin` with every cross-origin (and same-origin) POST/PUT/PATCH/DELETE; a
+    request whose Origin is not this server's own (the Host it was sent to) nor an allowed origin
+    is refused, so a page elsewhere cannot submit jobs or uploads with a user's browser."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.allowed = set(settings.allowed_origin_list)
+
+    def allows(self, method: str, origin: bytes | None, host: bytes | None) -> bool:
+        if method in SAFE_METHODS or origin is None:
+            return True
+        value = origin.decode("latin-1").strip().lower().rstrip("/")
+        if value in self.allowed:
+            return True
+        if value == "null" or host is None:  # sandboxed frames, file:// pages
+            return False
+        return _without_default_port(urlsplit(value).netloc) == _without_default_port(host.decode("latin-1"))
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from inside `receive`: FastAPI lets an HTTPException through its body parsing, so the
+    app's own handler renders it."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is over the limit of {limit} bytes", headers={"Connection": "close"})
+
+
+class BodyTimeout(HTTPException):
+    def __init__(self, received: int, seconds: float) -> None:
+        super().__init__(408, f"the request body arrived too slowly ({received} bytes in {seconds:.0f} s); "
+                              f"send it faster or in one piece", headers={"Connection": "close"})
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, detail: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        super().__init__(detail)
+        self.status, self.detail, self.headers = status, detail, headers
+
+
+class FrontGate:
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app = app
+        self.routes = RouteTable(settings)
+        self.hosts = HostCheck(settings)
+        self.origins = OriginCheck(settings)
+        self.key = settings.api_key.get_secret_value().encode() if settings.api_key else None
+        self.body_timeout_s = settings.body_timeout_s
+        self.min_body_rate = settings.min_body_rate
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        head = _Head.read(scope["headers"])
+        policy = self.routes.policy(scope["method"], scope["path"])
+        cap = self.routes.body_cap(policy)
+        try:
+            self._judge(scope["method"], head, policy, cap)
+        except _Refusal as refusal:
+            await _reply(send, refusal.status, refusal.detail, close=head.has_body, headers=refusal.headers)
+            return
+
+        guard = _BodyGuard(receive, cap, self.body_timeout_s, self.min_body_rate)
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if head.has_body and not guard.done:
+                    # Answered before the body was read (an error mid-upload): close the connection,
+                    # or uvicorn reads and discards the rest of the body to reach the next request.
+                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        try:
+            await self.app(scope, guard.receive, tracking_send)
+        except (BodyTooLarge, BodyTimeout) as exc:  # raised outside the routes' error handling
+            if started:
+                raise
+            await _reply(send, exc.status_code, exc.detail, close=True)
+
+    def _judge(self, method: str, head: _Head, policy: RoutePolicy, cap: int) -> None:
+        if not self.hosts.allows(head.host):
+            raise _Refusal(400, f"Host {head.text('host')!r} is not served here: only localhost names and "
+                                f"TORCHYARD_ALLOWED_HOSTS (DNS-rebinding guard)")
+        if not self.origins.allows(method, head.origin, head.host):
+            raise _Refusal(403, f"cross-origin request refused: Origin {head.text('origin')!r} is not this server; "
+                                f"add it to TORCHYARD_ALLOWED_ORIGINS to allow it")
+        if self.key is not None and not policy.open and not self._key_matches(head.authorization):
+            raise _Refusal(401, "missing or wrong API key: send `Authorization: Bearer <TORCHYARD_API_KEY>`",
+                           ((b"www-authenticate", b"Bearer"),))
+        if head.content_length is not None:
+            if not head.content_length.isdigit():
+                raise _Refusal(400, "Content-Length is not a number")
+            if int(head.content_length) > cap:
+                raise _Refusal(413, f"request body is over the limit of {cap} bytes")
+        if head.has_body and policy.content_types and not _type_allowed(head.content_type, policy.content_types):
+            wanted = " or ".join(sorted(policy.content_types))
+            raise _Refusal(415, f"Content-Type {head.text('content-type') or '(none)'!r} is not accepted here; "
+                                f"send {wanted}")
+
+    def _key_matches(self, authorization: bytes | None) -> bool:
+        scheme, _, token = (authorization or b"").strip().partition(b" ")
+        given = token.strip() if scheme.lower() == b"bearer" else b""
+        assert self.key is not None
+        return hmac.compare_digest(given, self.key)  # constant time, whatever `given` is
+
+
+def _type_allowed(content_type: bytes | None, allowed: frozenset[str]) -> bool:
+    if content_type is None:
+        return allowed == JSON  # FastAPI reads a body without a type as JSON (curl --data-binary)
+    media = content_type.split(b";", 1)[0].strip().lower().decode("latin-1")
+    if allowed == JSON and media.startswith("application/") and media.endswith("+json"):
+        return True
+    return media in allowed
+
+
+@dataclass
+class _Head:
+    """The request headers the gate reads, taken in one pass."""
+
+    host: bytes | None = None
+    origin: bytes | None = None
+    authorization: bytes | None = None
+    content_length: bytes | None = None
+    content_type: bytes | None = None
+    chunked: bool = False
+
+    @classmethod
+    def read(cls, headers: list[tuple[bytes, bytes]]) -> _Head:
+        head = cls()
+        for name, value in headers:
+            if name == b"host" and head.host is None:
+                head.host = value
+            elif name == b"origin" and head.origin is None:
+                head.origin = value
+            elif name == b"authorization" and head.authorization is None:
+                head.authorization = value
+            elif name == b"content-length" and head.content_length is None:
+                head.content_length = value.strip()
+            elif name == b"content-type" and head.content_type is None:
+                head.content_type = value
+            elif name == b"transfer-encoding":
+                head.chunked = head.chunked or b"chunked" in value.lower()
+        return head
+
+    @property
+    def has_body(self) -> bool:
+        return self.chunked or (self.content_length is not None and self.content_length not in (b"", b"0"))
+
+    def text(self, name: str) -> str:
+        value = {"host": self.host, "origin": self.origin, "content-type": self.content_type}[name]
+        return value.decode("latin-1")[:200] if value is not None else ""
+
+
+class _BodyGuard:
+    """`receive` with the body counted against its cap and timed against its deadline. Once the
+    body is complete it steps aside: a streaming response (SSE) waits on `receive` for the
+    client's disconnect, which no deadline may cut."""
+
+    def __init__(self, receive: Receive, cap: int, timeout_s: float, min_rate: int) -> None:
+        self._receive = receive
+        self.cap = cap
+        self.timeout_s = timeout_s
+        self.min_rate = min_rate
+        self.received = 0
+        self.started = time.monotonic()
+        self.done = False
+
+    async def receive(self) -> Message:
+        if self.done:
+            return await self._receive()
+        deadline = self.started + self.timeout_s + self.received / self.min_rate
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                message = await self._receive()
+        except TimeoutError:
+            raise BodyTimeout(self.received, time.monotonic() - self.started) from None
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            if self.received > self.cap:
+                raise BodyTooLarge(self.cap)
+            self.done = not message.get("more_body", False)
+        else:
+            self.done = True
+        return message
+
+
+async def _reply(send: Send, status: int, detail: str, *, close: bool,
+                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
+    if close:
+        head.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": head})
+    await send({"type": "http.response.body", "body": body})

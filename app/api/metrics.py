@@ -1,0 +1,181 @@
+"""Prometheus metrics of one API process.
+
+Two kinds: what this process sees itself (requests by route template and status, /predict
+latency) in prometheus_client's own counters, and the cluster's state read from Redis at scrape
+time (queue depths, jobs by status, devices, inference batch sizes, training throughput), so
+every API replica reports the same truth and nothing goes stale between scrapes. Each app has
+its own registry: two apps in one process (tests) never share counters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import redis
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from core import keys
+from core.devices import SERVING, DeviceRegistry
+from core.queue import SHARED_TRAIN_QUEUES, queue_for_device
+from core.schemas import Device, JobStatus
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@dataclass(frozen=True)
+class ClusterSource:
+    """Where the scrape-time state is read from (the app's Services, once its lifespan built them)."""
+
+    redis: redis.Redis
+    devices: DeviceRegistry
+
+
+class ClusterCollector(Collector):
+    """Reads Redis on every scrape. A Redis outage yields `torchyard_redis_up 0`, not a failed scrape."""
+
+    def __init__(self, source: Callable[[], ClusterSource | None]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("torchyard_redis_up", "1 when Redis answered this scrape")
+        source = self._source()
+        if source is None:
+            up.add_metric([], 0)
+            yield up
+            return
+        try:
+            families = list(self._families(source))
+        except redis.RedisError as exc:
+            log.warning("metrics: Redis unavailable: %s", exc)
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        yield from families
+
+    def _families(self, source: ClusterSource) -> Iterator[Metric]:
+        client = source.redis
+        devices = source.devices.all()
+
+        # Queues: Celery's training queues and each device's prediction list.
+        # Celery's shared queues, and each known device's own (train.dev.<id>).
+        train_queues = [*SHARED_TRAIN_QUEUES, *(queue_for_device(d.id) for d in devices)]
+        pipe = client.pipeline(transaction=False)
+        for queue in train_queues:
+            for name in keys.kombu_queue_lists(queue):
+                pipe.llen(name)
+        for device in devices:
+            pipe.llen(keys.predict_queue(device.id))
+        for status in JobStatus:
+            pipe.zcard(keys.jobs_with_status(status.value))
+        running_ids = client.zrange(keys.jobs_with_status(JobStatus.running.value), 0, -1)
+        for job_id in running_ids:
+            pipe.hmget(keys.job(job_id), "model", "device", "metrics")
+        replies = pipe.execute()
+
+        n_prio = len(keys.KOMBU_PRIORITY_SUFFIXES)
+        queue_depth = GaugeMetricFamily("torchyard_train_queue_depth",
+                                        "training messages waiting in a Celery queue", labels=["queue"])
+        for i, queue in enumerate(train_queues):
+            queue_depth.add_metric([queue], sum(replies[i * n_prio:(i + 1) * n_prio]))
+        yield queue_depth
+        offset = len(train_queues) * n_prio
+
+        predict_depth = GaugeMetricFamily("torchyard_predict_queue_depth",
+                                          "prediction requests waiting for a device's worker", labels=["device"])
+        for i, device in enumerate(devices):
+            predict_depth.add_metric([device.id], replies[offset + i])
+        yield predict_depth
+        offset += len(devices)
+
+        jobs = GaugeMetricFamily("torchyard_jobs", "jobs by status", labels=["status"])
+        for i, status in enumerate(JobStatus):
+            jobs.add_metric([status.value], replies[offset + i])
+        yield jobs
+        offset += len(JobStatus)
+
+        throughput = GaugeMetricFamily("torchyard_job_images_per_second",
+                                       "training throughput of a running job (its last finished epoch)",
+                                       labels=["job", "model", "device"])
+        for job_id, (model, device, metrics) in zip(running_ids, replies[offset:], strict=True):
+            history = json.loads(metrics or "[]")
+            if history:
+                throughput.add_metric([job_id, model or "", device or ""], history[-1].get("images_per_second", 0))
+        yield throughput
+
+        yield from self._device_families(devices)
+
+    @staticmethod
+    def _device_families(devices: list[Device]) -> Iterator[Metric]:
+        labels = ["device", "type"]
+        up = GaugeMetricFamily("torchyard_device_up", "1 while the device's worker heartbeat is fresh", labels=labels)
+        busy = GaugeMetricFamily("torchyard_device_busy", "1 while the device trains a job", labels=labels)
+        used = GaugeMetricFamily("torchyard_device_memory_used_bytes", "device memory in use", labels=labels)
+        total = GaugeMetricFamily("torchyard_device_memory_total_bytes", "device memory", labels=labels)
+        util = GaugeMetricFamily("torchyard_device_utilization_percent", "device utilisation", labels=labels)
+        loaded = GaugeMetricFamily("torchyard_device_loaded_models", "checkpoints resident for /predict",
+                                   labels=labels)
+        batches = CounterMetricFamily("torchyard_predict_batches", "inference batches run by the device's worker",
+                                      labels=["device"])
+        images = CounterMetricFamily("torchyard_predict_images", "images classified by the device's worker",
+                                     labels=["device"])
+        sizes = HistogramMetricFamily("torchyard_predict_batch_size",
+                                      "images per inference batch (dynamic batching)", labels=["device"])
+        for d in devices:
+            key = [d.id, d.type]
+            up.add_metric(key, 1 if d.status in SERVING else 0)
+            busy.add_metric(key, 1 if d.status == "busy" else 0)
+            loaded.add_metric(key, len(d.loaded_models))
+            if d.memory_used_bytes is not None:
+                used.add_metric(key, d.memory_used_bytes)
+            if d.memory_total_bytes is not None:
+                total.add_metric(key, d.memory_total_bytes)
+            if d.utilization_percent is not None:
+                util.add_metric(key, d.utilization_percent)
+            stats = d.inference or {}
+            histogram = {int(k): int(v) for k, v in (stats.get("batch_size_histogram") or {}).items()}
+            batches.add_metric([d.id], stats.get("batches", sum(histogram.values())))
+            images.add_metric([d.id], stats.get("images", sum(k * v for k, v in histogram.items())))
+            buckets = [(str(le), sum(v for k, v in histogram.items() if k <= le)) for le in BATCH_BUCKETS]
+            buckets.append(("+Inf", sum(histogram.values())))
+            sizes.add_metric([d.id], buckets, sum_value=sum(k * v for k, v in histogram.items()))
+        yield from (up, busy, used, total, util, loaded, batches, images, sizes)
+
+
+class Metrics:
+    """One app's registry: request counters the middleware feeds, plus the cluster collector."""
+
+    def __init__(self) -> None:
+        disable_created_metrics()  # no `_created` twin of every series: noise for a dashboard scrape
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("torchyard_http_requests", "HTTP requests by route template and status",
+                                ["method", "route", "status"], registry=self.registry)
+        self.duration = Histogram("torchyard_http_request_duration_seconds",
+                                  "time to the end of the response, by route template (event streams "
+                                  "count their whole life)", ["route"], buckets=LATENCY_BUCKETS,
+                                  registry=self.registry)
+        self.predict_latency = Histogram("torchyard_predict_latency_seconds",
+                                         "POST /predict round trip in the API, successful calls",
+                                         buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def watch_cluster(self, source: Callable[[], ClusterSource | None]) -> None:
+        self.registry.register(ClusterCollector(source))
+
+    def observe_request(self, method: str, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(method, route, str(status)).inc()
+        self.duration.labels(route).observe(seconds)
+        if route == "/predict" and method == "POST" and status == 200:
+            self.predict_latency.observe(seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,196 @@
+"""The API's side of a prediction: check the job, pick a live worker, send, wait (bounded).
+
+Requests travel on a Redis list per device (RPUSH here, BLPOP in the worker's inference
+thread) and the answer comes back on a one-off reply list, all over the API's async Redis
+client: no thread is parked per request and the round trip is two Redis calls (a script checks
+that the job succeeded and queues the request in one). The worker's reply body is passed
+through as the HTTP body, not parsed and re-serialised (the messages are core/wire.py's).
+
+A request may name an alias instead of a job (core/aliases.py): the name is resolved to a job id,
+and the script that queues the request first checks that the alias still points there (else the
+request is resolved again), so a request is answered by the one job it was queued for, and the
+alias's move and the request's queueing are ordered by Redis itself.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import secrets
+import time
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from PIL import Image
+
+from core import keys
+from core.aliases import validate_alias_name
+from core.devices import SERVING, devices_from_replies, liveness_reads
+from core.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable, UnsupportedMedia
+from core.images import IMAGE_FORMATS, IMAGE_FORMATS_TEXT, OPENED_FORMATS
+from core.schemas import Device, JobStatus
+from core.storage import validate_id
+from core.wire import PredictReply, PredictRequest, WireImage
+
+LIVE_CACHE_S = 0.5
+
+# Queue the request only if the job succeeded; return its status either way (nil: no such job).
+_QUEUE_IF_SUCCEEDED = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == ARGV[1] then
+  redis.call('RPUSH', KEYS[2], ARGV[2])
+end
+return status
+"""
+# The same for a request that named an alias: queue it only while the alias still points at the job
+# it was resolved to (ARGV[2]); MOVED otherwise, and the caller resolves the name again.
+_MOVED = "~moved"
+_QUEUE_IF_ALIAS_STILL_THERE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then
+  return '""" + _MOVED + """'
+end
+local status = redis.call('HGET', KEYS[2], 'status')
+if status == ARGV[3] then
+  redis.call('RPUSH', KEYS[3], ARGV[4])
+end
+return status
+"""
+ALIAS_RESOLVE_TRIES = 5
+
+
+@dataclass(frozen=True)
+class UploadedImage:
+    filename: str | None
+    data: bytes
+
+
+def check_image(image: UploadedImage, max_bytes: int, max_pixels: int) -> None:
+    """Cheap gatekeeping from the header alone; the worker does the full decode."""
+    if len(image.data) > max_bytes:
+        raise TooLarge(f"{image.filename or 'image'} is {len(image.data)} bytes; the limit is {max_bytes}")
+    try:
+        with Image.open(io.BytesIO(image.data), formats=IMAGE_FORMATS) as probe:  # no other plugin runs
+            fmt, (width, height) = probe.format, probe.size
+    except Image.DecompressionBombError as exc:
+        raise TooLarge(f"{image.filename or 'image'}: {exc}") from None
+    except Exception:
+        raise UnsupportedMedia(f"{image.filename or 'file'} is not an image ({IMAGE_FORMATS_TEXT})") from None
+    if fmt not in OPENED_FORMATS:
+        raise UnsupportedMedia(f"{image.filename or 'file'} is {fmt}; send {IMAGE_FORMATS_TEXT}")
+    if width * height > max_pixels:
+        raise TooLarge(f"{image.filename or 'image'} has {width * height} pixels; the limit is {max_pixels}")
+
+
+class PredictionClient:
+    def __init__(self, client: aioredis.Redis, *, timeout_s: float, max_bytes: int, max_pixels: int,
+                 max_images: int) -> None:
+        self.redis = client
+        self.timeout_s = timeout_s
+        self.max_bytes = max_bytes
+        self.max_pixels = max_pixels
+        self.max_images = max_images
+        self._live: list[Device] = []
+        self._live_at = 0.0
+        self._turn = itertools.count()
+        self._queue_if_succeeded = client.register_script(_QUEUE_IF_SUCCEEDED)
+        self._queue_if_alias_still_there = client.register_script(_QUEUE_IF_ALIAS_STILL_THERE)
+
+    async def predict(self, job_id: str | None, images: list[UploadedImage], top_k: int, *,
+                      alias: str | None = None) -> bytes:
+        """The JSON body of a PredictResponse, as the worker wrote it (plus `alias` when one was named)."""
+        if (job_id is None) == (alias is None):
+            raise InvalidInput("send exactly one of job_id and alias")
+        if not images:
+            raise InvalidInput("send at least one image as a `file` part")
+        if len(images) > self.max_images:
+            raise TooLarge(f"{len(images)} images in one request; the limit is {self.max_images}")
+        if not 1 <= top_k <= 1000:
+            raise InvalidInput("top_k must be between 1 and 1000")
+        if alias is not None:
+            validate_alias_name(alias)
+        else:
+            validate_id(job_id or "", "job_id")
+        for image in images:
+            check_image(image, self.max_bytes, self.max_pixels)
+        for _ in range(ALIAS_RESOLVE_TRIES):
+            if alias is not None:
+                job_id = await self._resolve(alias)
+            assert job_id is not None
+            status, device, reply_to = await self._queue(job_id, images, top_k, alias)
+            if status != _MOVED:
+                break
+        else:
+            raise Unavailable(f"alias {alias} moved {ALIAS_RESOLVE_TRIES} times while this request was queued; retry")
+        self._check_status(job_id, status)
+        answer = await self.redis.blpop([reply_to], timeout=self.timeout_s)
+        if answer is None:
+            self._live_at = 0.0  # look again next time: this worker may be gone
+            raise Unavailable(f"worker {device.worker} ({device.id}) did not answer within {self.timeout_s:g}s")
+        reply = PredictReply.decode(answer[1])
+        reply.raise_for_status()
+        return reply.body.encode() if alias is None else _naming_alias(reply.body, alias)
+
+    async def _resolve(self, alias: str) -> str:
+        job_id = await self.redis.hget(keys.ALIASES, alias)
+        if job_id is None:
+            raise NotFound(f"alias {alias} not found")
+        return job_id
+
+    async def _queue(self, job_id: str, images: list[UploadedImage], top_k: int,
+                     alias: str | None) -> tuple[str | None, Device, str]:
+        """Queue the request on a live device if the job succeeded (and the alias still names it):
+        (the job's status or _MOVED, the device, the reply list)."""
+        live = await self._live_devices()
+        if not live:  # still say 404 / 409 first: they do not depend on a worker
+            self._check_status(job_id, await self.redis.hget(keys.job(job_id), "status"))
+            raise Unavailable("no live worker can serve predictions; start one with `torchyard worker`")
+        device = self._pick_device(job_id, live)
+        reply_to = keys.predict_reply(secrets.token_hex(12))
+        now = time.time()
+        request = PredictRequest(job_id=job_id, top_k=top_k, reply_to=reply_to, queued_at=now,
+                                 deadline=now + self.timeout_s,
+                                 images=[WireImage(filename=i.filename, data=i.data) for i in images])
+        if alias is None:
+            status = await self._queue_if_succeeded(keys=[keys.job(job_id), keys.predict_queue(device.id)],
+                                                    args=[JobStatus.succeeded.value, request.encode()])
+        else:
+            status = await self._queue_if_alias_still_there(
+                keys=[keys.ALIASES, keys.job(job_id), keys.predict_queue(device.id)],
+                args=[alias, job_id, JobStatus.succeeded.value, request.encode()])
+        return status, device, reply_to
+
+    @staticmethod
+    def _check_status(job_id: str, status: str | None) -> None:
+        if status is None:
+            raise NotFound(f"job {job_id} not found")
+        if status != JobStatus.succeeded.value:
+            raise Conflict(f"job {job_id} is {status}; only a succeeded job can predict")
+
+    def _pick_device(self, job_id: str, live: list[Device]) -> Device:
+        """Prefer a worker that already holds the model, then an idle one; rotate among equals."""
+        best = min(d.status != "idle" for d in live) if not any(job_id in d.loaded_models for d in live) else None
+        if best is None:
+            candidates = [d for d in live if job_id in d.loaded_models]
+        else:
+            candidates = [d for d in live if (d.status != "idle") == best]
+        return candidates[next(self._turn) % len(candidates)]
+
+    async def _live_devices(self) -> list[Device]:
+        if time.monotonic() - self._live_at < LIVE_CACHE_S:
+            return self._live
+        ids = sorted(await self.redis.smembers(keys.DEVICES_INDEX))
+        live: list[Device] = []
+        if ids:
+            pipe = self.redis.pipeline(transaction=False)
+            liveness_reads(pipe, ids)
+            live = [d for d in devices_from_replies(await pipe.execute()) if d.status in SERVING]
+        self._live, self._live_at = live, time.monotonic()
+        return live
+
+
+def _naming_alias(body: str, alias: str) -> bytes:
+    """The worker's PredictResponse with the alias the request named (the worker knows only the job)."""
+    doc = json.loads(body)
+    doc["alias"] = alias
+    return json.dumps(doc, separators=(",", ":")).encode()

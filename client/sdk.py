@@ -1,0 +1,367 @@
+"""A typed Python client for the torchyard HTTP API (docs/api.md), on httpx.
+
+It is what `torchyard train/jobs/predict/...` use, and usable on its own::
+
+    from client.sdk import TorchyardClient
+
+    with TorchyardClient("http://gpu-box:8000", api_key="...") as ty:
+        job = ty.submit(model="cifar_net", dataset="fake", epochs=3)
+        for event in ty.events(job.id):
+            print(event.kind, event.data)
+        print(ty.predict(job.id, ["examples/pattern_3.png"]).results[0].predictions[0].label)
+
+Every non-2xx answer raises `ApiError` carrying the API's `detail`, and an unreachable server
+raises `ApiError` with `status=None`, so callers handle one exception type.
+"""
+
+from __future__ import annotations
+
+import getpass
+import hashlib
+import json
+import mimetypes
+import os
+import socket
+import tempfile
+import time
+import zipfile
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+from httpx_sse import ServerSentEvent, connect_sse
+
+from core.schemas import (
+    Alias,
+    AliasHistory,
+    AliasUpdate,
+    Device,
+    Evaluation,
+    Job,
+    JobList,
+    JobStatus,
+    ModelInfo,
+    PredictResponse,
+)
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+
+
+def user_agent() -> str:
+    """`torchyard-client/<version> (<user>@<host>)`: what alias histories record as who moved it."""
+    try:
+        user = getpass.getuser()
+    except Exception:  # no user name in this environment (a container without /etc/passwd entry)
+        user = "unknown"
+    return f"torchyard-client/{_version()} ({user}@{socket.gethostname()})"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torchyard")
+    except PackageNotFoundError:
+        return "dev"
+
+
+class ApiError(Exception):
+    """A failed call: the HTTP status (None when the server could not be reached) and its `detail`."""
+
+    def __init__(self, status: int | None, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+    def __str__(self) -> str:
+        return f"{self.status}: {self.detail}" if self.status else self.detail
+
+
+@dataclass(frozen=True)
+class Event:
+    """One server-sent event of a job: `kind` is status, progress, metrics or cancel_requested."""
+
+    id: str | None
+    kind: str
+    data: dict[str, Any]
+
+    @property
+    def terminal(self) -> bool:
+        return self.kind == "status" and self.data.get("status") in {s.value for s in JobStatus if s.terminal}
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip() or response.reason_phrase
+    if isinstance(body, dict) and "detail" in body:
+        detail = body["detail"]
+        return detail if isinstance(detail, str) else json.dumps(detail)
+    return response.text.strip() or response.reason_phrase
+
+
+def _event(sse: ServerSentEvent) -> Event | None:
+    """Our Event from httpx-sse's; None for a frame without data (the stream's `retry:` line)."""
+    if not sse.data:
+        return None
+    try:
+        parsed = json.loads(sse.data)
+    except ValueError:
+        parsed = {"raw": sse.data}
+    return Event(sse.id or None, sse.event, parsed if isinstance(parsed, dict) else {"value": parsed})
+
+
+def zip_directory(directory: Path, target: IO[bytes]) -> int:
+    """Write an ImageFolder directory (`<class>/<image>`) as a zip; returns the number of files."""
+    count = 0
+    with zipfile.ZipFile(target, "w", compression=zipfile.ZIP_STORED) as archive:
+        for path in sorted(directory.rglob("*")):
+            if path.is_file() and not any(part.startswith(".") for part in path.relative_to(directory).parts):
+                archive.write(path, path.relative_to(directory).as_posix())
+                count += 1
+    return count
+
+
+class TorchyardClient:
+    """One connection pool to one torchyard server. Use as a context manager, or call close()."""
+
+    def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.url = (url or os.environ.get("TORCHYARD_URL") or DEFAULT_URL).rstrip("/")
+        key = api_key if api_key is not None else os.environ.get("TORCHYARD_API_KEY")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        # Who moved an alias is recorded from this (the API key is shared): the client and the person.
+        headers["User-Agent"] = user_agent()
+        self._http = httpx.Client(base_url=self.url, headers=headers, transport=transport,
+                                  timeout=httpx.Timeout(timeout, connect=10.0))
+
+    def __enter__(self) -> TorchyardClient:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    # ------------------------------------------------------------------ plumbing
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise ApiError(None, f"cannot reach torchyard at {self.url}: {exc}") from exc
+        if response.status_code >= 400:
+            raise ApiError(response.status_code, _detail(response))
+        return response
+
+    # ------------------------------------------------------------------ reading
+    def health(self) -> dict[str, Any]:
+        return self._request("GET", "/healthz").json()
+
+    def devices(self) -> list[Device]:
+        return [Device.model_validate(d) for d in self._request("GET", "/devices").json()["devices"]]
+
+    def models(self) -> list[ModelInfo]:
+        return [ModelInfo.model_validate(m) for m in self._request("GET", "/models").json()["models"]]
+
+    def datasets(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/datasets").json()["datasets"]
+
+    def jobs(self, status: str | None = None, limit: int = 50, cursor: str | None = None) -> JobList:
+        params = {k: v for k, v in {"status": status, "limit": limit, "cursor": cursor}.items() if v is not None}
+        return JobList.model_validate(self._request("GET", "/jobs", params=params).json())
+
+    def job(self, job_id: str) -> Job:
+        return Job.model_validate(self._request("GET", f"/jobs/{job_id}").json())
+
+    def metrics_text(self) -> str:
+        return self._request("GET", "/metrics").text
+
+    # ------------------------------------------------------------------ writing
+    def submit(self, *, model: str, dataset: str, idempotency_key: str | None = None, **params: Any) -> Job:
+        """POST /jobs; parameters left as None take the server's defaults."""
+        body = {"model": model, "dataset": dataset, **{k: v for k, v in params.items() if v is not None}}
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return Job.model_validate(self._request("POST", "/jobs", json=body, headers=headers).json())
+
+    def evaluate(self, job_id: str, dataset: str, *, device: str | None = None,
+                 batch_size: int | None = None) -> Evaluation:
+        """POST /jobs/{id}/evaluate: queue an evaluation of the job's checkpoint on `dataset` (an id or
+        a unique name). The evaluation is itself a job (`Evaluation.id`): follow it with events()."""
+        body = {k: v for k, v in {"dataset": dataset, "device": device, "batch_size": batch_size}.items()
+                if v is not None}
+        return Evaluation.model_validate(self._request("POST", f"/jobs/{job_id}/evaluate", json=body).json())
+
+    def evaluation(self, job_id: str, evaluation_id: str) -> Evaluation:
+        return Evaluation.model_validate(self._request("GET", f"/jobs/{job_id}/evaluations/{evaluation_id}").json())
+
+    def cancel(self, job_id: str) -> Job:
+        return Job.model_validate(self._request("POST", f"/jobs/{job_id}/cancel").json())
+
+    def upload_dataset(self, path: str | Path, name: str | None = None) -> dict[str, Any]:
+        """Upload an ImageFolder zip, or a directory that is zipped here first (in a temp file)."""
+        path = Path(path)
+        data = {"name": name} if name else {}
+        if path.is_dir():
+            with tempfile.TemporaryFile() as archive:
+                if zip_directory(path, archive) == 0:
+                    raise ApiError(None, f"{path} has no files to upload")
+                archive.seek(0)
+                files = {"file": (f"{path.name or 'dataset'}.zip", archive, "application/zip")}
+                return self._request("POST", "/datasets", files=files, data=data).json()
+        if not path.is_file():
+            raise ApiError(None, f"{path}: no such file or directory")
+        with path.open("rb") as handle:
+            return self._request("POST", "/datasets", files={"file": (path.name, handle, "application/zip")},
+                                 data=data).json()
+
+    def predict(self, job_id: str | None, images: Sequence[str | Path], top_k: int = 5, *,
+                alias: str | None = None) -> PredictResponse:
+        """Classify images with a job's model, or (job_id=None, alias="pets") with an alias's."""
+        handles = []
+        try:
+            files = []
+            for image in images:
+                path = Path(image)
+                try:
+                    handle = path.open("rb")
+                except OSError as exc:
+                    raise ApiError(None, f"{path}: {exc.strerror}") from exc
+                handles.append(handle)
+                kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+                files.append(("file", (path.name, handle, kind)))
+            target = {"alias": alias} if alias is not None else {"job_id": job_id or ""}
+            response = self._request("POST", "/predict", files=files, data={**target, "top_k": str(top_k)})
+        finally:
+            for handle in handles:
+                handle.close()
+        return PredictResponse.model_validate(response.json())
+
+    def download_checkpoint(self, job_id: str, target: str | Path) -> tuple[Path, str]:
+        """Stream the weights to `target` (written beside it, then renamed) and check the sha256."""
+        target = Path(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".part")
+        digest = hashlib.sha256()
+        try:
+            with self._http.stream("GET", f"/jobs/{job_id}/checkpoint") as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise ApiError(response.status_code, _detail(response))
+                with partial.open("wb") as out:
+                    for chunk in response.iter_bytes(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+                expected = response.headers.get("X-Checkpoint-SHA256")
+        except httpx.TransportError as exc:
+            partial.unlink(missing_ok=True)
+            raise ApiError(None, f"cannot reach torchyard at {self.url}: {exc}") from exc
+        if expected and expected != digest.hexdigest():
+            partial.unlink(missing_ok=True)
+            raise ApiError(None, f"checkpoint of {job_id} arrived corrupted (sha256 mismatch)")
+        partial.replace(target)
+        return target, digest.hexdigest()
+
+    # ------------------------------------------------------------------ aliases
+    def aliases(self) -> list[Alias]:
+        return [Alias.model_validate(a) for a in self._request("GET", "/aliases").json()["aliases"]]
+
+    def alias(self, name: str) -> Alias:
+        return Alias.model_validate(self._request("GET", f"/aliases/{name}").json())
+
+    def set_alias(self, name: str, job_id: str, note: str | None = None) -> AliasUpdate:
+        """Point `name` at a succeeded job (warmed where the old target is resident, then moved)."""
+        body = {"job_id": job_id, **({"note": note} if note else {})}
+        return AliasUpdate.model_validate(self._request("PUT", f"/aliases/{name}", json=body).json())
+
+    def rollback_alias(self, name: str, note: str | None = None) -> AliasUpdate:
+        body = {"note": note} if note else None
+        return AliasUpdate.model_validate(self._request("POST", f"/aliases/{name}/rollback", json=body).json())
+
+    def alias_history(self, name: str, limit: int = 100) -> AliasHistory:
+        return AliasHistory.model_validate(
+            self._request("GET", f"/aliases/{name}/history", params={"limit": limit}).json())
+
+    def delete_alias(self, name: str, note: str | None = None) -> None:
+        self._request("DELETE", f"/aliases/{name}", params={"note": note} if note else None)
+
+    # ------------------------------------------------------------------ exports
+    def export(self, job_id: str, fmt: str, target: str | Path, *, timeout: float = 600.0,
+               retry: bool = False) -> tuple[Path, str]:
+        """Download a job's model as `fmt` (torchscript | onnx), waiting while a worker builds it
+        (202 + Retry-After), checked against X-Export-SHA256. Returns (path, sha256)."""
+        deadline = time.monotonic() + timeout
+        params: dict[str, Any] = {"format": fmt, **({"retry": "true"} if retry else {})}
+        target = Path(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(target.name + ".part")
+        while True:
+            digest = hashlib.sha256()
+            try:
+                with self._http.stream("GET", f"/jobs/{job_id}/export", params=params) as response:
+                    if response.status_code >= 400:
+                        response.read()
+                        raise ApiError(response.status_code, _detail(response))
+                    if response.status_code == 202:
+                        response.read()
+                        wait = float(response.headers.get("Retry-After") or 2)
+                        if time.monotonic() + wait > deadline:
+                            raise ApiError(None, f"the {fmt} export of {job_id} was not ready within {timeout:g}s "
+                                                 f"(export job {response.headers.get('Location')})")
+                        params.pop("retry", None)  # one rebuild was asked for; now wait for it
+                        time.sleep(wait)
+                        continue
+                    with partial.open("wb") as out:
+                        for chunk in response.iter_bytes(1 << 20):
+                            digest.update(chunk)
+                            out.write(chunk)
+                    expected = response.headers.get("X-Export-SHA256")
+            except httpx.TransportError as exc:
+                partial.unlink(missing_ok=True)
+                raise ApiError(None, f"cannot reach torchyard at {self.url}: {exc}") from exc
+            if expected and expected != digest.hexdigest():
+                partial.unlink(missing_ok=True)
+                raise ApiError(None, f"the {fmt} export of {job_id} arrived corrupted (sha256 mismatch)")
+            partial.replace(target)
+            return target, digest.hexdigest()
+
+    # ------------------------------------------------------------------ following
+    def events(self, job_id: str, *, reconnect: bool = True, max_reconnects: int = 20) -> Iterator[Event]:
+        """A job's server-sent events until its terminal status. A dropped stream is resumed
+        with Last-Event-ID, so no event is lost or repeated across an API restart."""
+        last_id: str | None = None
+        failures = 0
+        while True:
+            headers = {"Last-Event-ID": last_id} if last_id else {}
+            try:
+                with connect_sse(self._http, "GET", f"/jobs/{job_id}/events", headers=headers,
+                                 timeout=httpx.Timeout(10.0, read=60.0)) as source:
+                    if source.response.status_code >= 400:
+                        source.response.read()
+                        raise ApiError(source.response.status_code, _detail(source.response))
+                    for sse in source.iter_sse():
+                        event = _event(sse)
+                        if event is None:
+                            continue
+                        failures = 0
+                        last_id = event.id or last_id
+                        yield event
+                        if event.terminal:
+                            return
+            except httpx.TransportError as exc:
+                failures += 1
+                if not reconnect or failures > max_reconnects:
+                    raise ApiError(None, f"lost the event stream of {job_id}: {exc}") from exc
+                time.sleep(min(2.0, 0.2 * failures))
+                continue
+            # The server closed the stream without a terminal event (e.g. it already ended before
+            # our Last-Event-ID): the job record says where it stands.
+            if not reconnect or self.job(job_id).status.terminal:
+                return
+            failures += 1
+            if failures > max_reconnects:
+                return
+            time.sleep(min(2.0, 0.2 * failures))

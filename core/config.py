@@ -1,0 +1,190 @@
+"""The one settings object. Every process reads it once and passes it down."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """torchyard settings, from the environment (prefix ``TORCHYARD_``) or a ``.env`` file."""
+
+    model_config = SettingsConfigDict(env_prefix="TORCHYARD_", env_file=".env", extra="ignore", env_ignore_empty=True)
+
+    # --- where things live -------------------------------------------------------------
+    redis_url: str | None = Field(
+        default=None,
+        description="Broker, job store and result backend. Unset: the embedded Redis under data_dir.",
+    )
+    data_dir: Path = Field(default=Path("./var"), description="Datasets, checkpoints, embedded Redis files.")
+
+    # --- API ---------------------------------------------------------------------------
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    api_key: SecretStr | None = Field(default=None, description="When set, a bearer token every endpoint but /healthz needs.")
+    access_log: bool = Field(default=False, description="uvicorn's line per request; costs ~15% of the API's CPU on /predict.")
+
+    # --- workers and devices -----------------------------------------------------------
+    node_name: str = Field(default_factory=socket.gethostname, description="Host part of device ids and worker names.")
+    devices: str = Field(default="auto", description="`torchyard up`: 'auto', 'cpu' or GPU indices like '0,1'.")
+    host_gpu_index: int | None = Field(
+        default=None,
+        description="The host's index of this worker's GPU when a container runtime renumbered it to 0.",
+    )
+    heartbeat_interval_s: float = Field(default=1.0, gt=0, le=2.0)
+    heartbeat_ttl_s: float = Field(default=6.0, gt=0)
+    lease_ttl_s: float = Field(default=20.0, gt=0, description="A running job whose worker stops renewing is redelivered after this.")
+    max_attempts: int = Field(default=3, ge=1, description="Deliveries of a job before it fails for good.")
+
+    # --- training ------------------------------------------------------------------------
+    allow_download: bool = Field(default=False, description="Let torchvision download built-in datasets.")
+    verify_builtin_checksums: bool = Field(
+        default=True,
+        description="Check cifar10's files against torchvision's md5 sums. Off only for re-packed or test copies.",
+    )
+
+    # --- inference -----------------------------------------------------------------------
+    predict_timeout_s: float = Field(default=30.0, gt=0)
+    predict_max_batch: int = Field(default=32, ge=1)
+    predict_max_wait_ms: float = Field(default=2.0, ge=0)
+    model_cache_count: int = Field(default=8, ge=1)
+    model_cache_bytes: int = Field(default=2 * 1024**3, ge=1)
+    predict_cpu_threads: int | None = Field(
+        default=None, ge=1,
+        description="torch threads of a CPU worker's inference thread. Unset: half the cores, at least 1.",
+    )
+
+    # --- limits on input -------------------------------------------------------------------
+    max_image_bytes: int = Field(default=10 * 1024**2, ge=1)
+    max_image_pixels: int = Field(default=40_000_000, ge=1)
+    max_images_per_request: int = Field(default=64, ge=1)
+    max_upload_bytes: int = Field(default=1024**3, ge=1)
+    max_zip_entries: int = Field(default=200_000, ge=1)
+    max_zip_uncompressed_bytes: int = Field(default=4 * 1024**3, ge=1)
+    max_zip_ratio: float = Field(default=200.0, gt=1)
+    max_request_bytes: int | None = Field(
+        default=None, ge=1,
+        description="Largest request body (Content-Length or streamed). Unset: max_upload_bytes + 1 MiB.",
+    )
+    max_json_bytes: int = Field(default=1024**2, ge=1, description="Largest application/json request body.")
+
+    # --- aliases and exports (#16) ---------------------------------------------------------
+    alias_warm_timeout_s: float = Field(
+        default=30.0, gt=0, le=600,
+        description="How long a move waits for the new target to load where the old one is resident.",
+    )
+    export_retry_after_s: int = Field(
+        default=2, ge=1, le=60, description="Retry-After of a 202 from GET /jobs/{id}/export while it builds.",
+    )
+
+    # --- reliability (#12): dispatch reconciliation, device faults ---------------------------
+    dispatch_grace_s: float | None = Field(
+        default=None, gt=0,
+        description="A queued job not claimed this long after its message was sent is looked for; if its "
+                    "message is not waiting in its queue it is re-sent. Unset: lease_ttl_s.",
+    )
+    device_fault_file: Path | None = Field(
+        default=None,
+        description="Tests and `make chaos` only: when this file appears, the worker's next training step "
+                    "raises the CUDA error it holds, as a broken GPU would (the CPU twin of a sticky CUDA error).",
+    )
+
+    # --- hostile clients and resource exhaustion (#13; docs/security.md) -----------------------
+    allow_unauthenticated: bool = Field(
+        default=False,
+        description="Serve without TORCHYARD_API_KEY on a non-loopback address. Off: `api` and `up` refuse to start.",
+    )
+    allowed_hosts: str = Field(
+        default="",
+        description="Comma-separated Host names served besides localhost (DNS-rebinding guard); '*' serves any.",
+    )
+    allowed_origins: str = Field(
+        default="",
+        description="Comma-separated browser origins (https://ui.example) allowed to send state-changing requests.",
+    )
+    header_timeout_s: float = Field(default=10.0, gt=0, description="A request's headers must arrive within this.")
+    body_timeout_s: float = Field(default=30.0, gt=0, description="Time for a request body, plus 1 s per min rate bytes.")
+    min_body_rate: int = Field(default=10_000, ge=1, description="Bytes per second a slow body must keep up (after the timeout).")
+    max_header_bytes: int = Field(default=64 * 1024, ge=1024, description="Largest request head (line + headers).")
+    max_connections: int = Field(default=1024, ge=1, description="Open connections of an API process (more: 503).")
+    max_connections_per_client: int = Field(
+        default=128, ge=0, description="Open connections from one client address (0: no limit; raise behind a proxy).",
+    )
+    admission_check: bool = Field(default=True, description="Refuse at submit a job whose memory fits no worker.")
+    admission_headroom: float = Field(
+        default=0.2, ge=0, lt=1, description="Share of a worker's memory a job may not use (Redis, the OS, models).",
+    )
+    worker_oom_score_adj: int = Field(
+        default=800, ge=0, le=1000, description="Workers are the kernel OOM killer's first choice, never Redis.",
+    )
+    keep_succeeded_jobs_days: float = Field(default=0, ge=0, description="Succeeded jobs (record, events, files). 0: forever.")
+    keep_failed_jobs_days: float = Field(default=30, ge=0, description="Failed and cancelled jobs. 0: forever.")
+    keep_job_events_days: float = Field(default=7, ge=0, description="Event streams of finished jobs (trimmed). 0: forever.")
+    keep_unused_datasets_days: float = Field(default=0, ge=0, description="Uploads no job used for this long. 0: forever.")
+    cleanup_interval_s: float = Field(default=3600, gt=0, description="How often one API process runs the cleanup.")
+
+    @property
+    def binds_loopback(self) -> bool:
+        """True when the API listens on this host only (127.0.0.0/8, ::1, localhost)."""
+        if self.host.strip().lower() in ("localhost", "localhost."):
+            return True
+        try:
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:
+            return False  # a host name other than localhost may resolve to anything
+
+    @property
+    def allowed_host_names(self) -> list[str]:
+        return [h.strip().lower() for h in self.allowed_hosts.split(",") if h.strip()]
+
+    @property
+    def allowed_origin_list(self) -> list[str]:
+        return [o.strip().lower().rstrip("/") for o in self.allowed_origins.split(",") if o.strip()]
+
+    # --- derived paths -------------------------------------------------------------------
+    @property
+    def datasets_dir(self) -> Path:
+        return self.data_dir / "datasets"
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return self.data_dir / "checkpoints"
+
+    @property
+    def builtin_data_dir(self) -> Path:
+        """Where torchvision's built-in datasets are read from (and downloaded to, when allowed)."""
+        return self.data_dir / "builtin"
+
+    @property
+    def hub_dir(self) -> Path:
+        """torch.hub's cache for pretrained weights (<hub_dir>/checkpoints/<file>): read by workers only."""
+        return self.data_dir / "hub"
+
+    @property
+    def request_body_limit(self) -> int:
+        """The body-size cap for every request: a dataset upload plus room for its multipart framing."""
+        return self.max_request_bytes or self.max_upload_bytes + 1024**2
+
+    @property
+    def embedded_redis_dir(self) -> Path:
+        return self.data_dir / "redis"
+
+    @property
+    def embedded_redis_socket(self) -> Path:
+        return self.embedded_redis_dir / "redis.sock"
+
+    def resolved_redis_url(self) -> str:
+        """The configured Redis, or the embedded one that `torchyard up` runs under data_dir."""
+        if self.redis_url:
+            return self.redis_url
+        return f"unix://{self.embedded_redis_socket.resolve()}?db=0"
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,243 @@
+"""Datasets: the built-ins and uploaded image folders, their records in Redis, their files on disk."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+import redis
+from pydantic import BaseModel
+
+from core import keys
+from core.archives import ArchiveLimits, extract_image_folder
+from core.clock import utc_now_iso
+from core.config import Settings
+from core.errors import Conflict, InvalidInput, NotFound
+from core.jobs import JobStore
+from core.schemas import Job
+from core.storage import validate_id
+
+# The synthetic `fake` dataset: what it is here, how it is drawn in worker/data.py.
+FAKE_CLASSES = [f"pattern_{k}" for k in range(10)]
+FAKE_IMAGES = 2560
+FAKE_PATTERN_SEED = 1234
+# Uploads stream into a file with this prefix under the datasets dir (app/api/uploads.py); the
+# cleanup (core/retention.py) removes the ones a crash left behind.
+UPLOAD_TEMP_PREFIX = ".upload-"
+
+
+def split_sizes(n: int, val_fraction: float) -> tuple[int, int]:
+    """(training, validation) image counts of the seeded split of `n` images (worker/data.split):
+    at least one validation image whenever a fraction is asked for and there are two images."""
+    n_val = round(n * val_fraction)
+    if val_fraction > 0 and n_val == 0 and n > 1:
+        n_val = 1
+    return n - n_val, n_val
+
+
+@dataclass(frozen=True)
+class TorchvisionBuiltin:
+    folder: str  # what torchvision's class looks for under root
+
+    def expected_files(self, root: Path) -> str:
+        return str(root / self.folder)
+
+
+BUILTIN_TORCHVISION = {
+    "cifar10": TorchvisionBuiltin("cifar-10-batches-py"),
+    "mnist": TorchvisionBuiltin("MNIST/raw"),
+    "fashion_mnist": TorchvisionBuiltin("FashionMNIST/raw"),
+}
+
+
+class DatasetRecord(BaseModel):
+    id: str
+    name: str
+    kind: Literal["fake", "torchvision", "upload"]
+    classes: list[str] | None = None
+    num_images: int | None = None
+    class_counts: dict[str, int] | None = None
+    skipped: list[dict[str, str]] = []
+    created_at: str | None = None
+    description: str | None = None
+    available: bool = True
+
+
+BUILTINS: dict[str, DatasetRecord] = {
+    "fake": DatasetRecord(id="fake", name="fake", kind="fake", classes=list(FAKE_CLASSES),
+                          num_images=FAKE_IMAGES, description="Synthetic, seeded and learnable: one colour "
+                          "pattern per class plus noise. For demos and tests."),
+    # num_images: the training split torchvision reads (what a job holds in memory, core/admission.py).
+    "cifar10": DatasetRecord(id="cifar10", name="CIFAR-10", kind="torchvision", num_images=50_000,
+                             description="torchvision CIFAR10, read from the data dir."),
+    "mnist": DatasetRecord(id="mnist", name="MNIST", kind="torchvision", num_images=60_000,
+                           description="torchvision MNIST, read from the data dir."),
+    "fashion_mnist": DatasetRecord(id="fashion_mnist", name="Fashion-MNIST", kind="torchvision", num_images=60_000,
+                                   description="torchvision FashionMNIST, read from the data dir."),
+}
+
+
+# A dataset given to a job this recently is not deleted, even if no queued job shows it yet: the
+# job may be between its dataset check and its creation (see claim_for_job).
+IN_USE_GRACE_S = 10.0
+
+# The dataset's record, if it exists, and the time it was asked for: one step (claim_for_job).
+_CLAIM = """
+local record = redis.call('GET', KEYS[1])
+if record then
+  redis.call('SET', KEYS[2], ARGV[1])
+end
+return record
+"""
+# CIFAR-10's class names (torchvision reads them from the set's batches.meta; these are its values).
+CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def builtin_classes(dataset_id: str) -> list[str] | None:
+    """A built-in's class names without reading its files (evaluation checks classes at submit)."""
+    if dataset_id == "fake":
+        return list(FAKE_CLASSES)
+    if dataset_id == "cifar10":
+        return list(CIFAR10_CLASSES)
+    if dataset_id in ("mnist", "fashion_mnist"):
+        import torchvision.datasets as tvd
+
+        return list((tvd.MNIST if dataset_id == "mnist" else tvd.FashionMNIST).classes)
+    return None
+
+
+class DatasetCatalog:
+    def __init__(self, client: redis.Redis, settings: Settings, jobs: JobStore) -> None:
+        self.redis = client
+        self.settings = settings
+        self.jobs = jobs
+        self._claim = client.register_script(_CLAIM)
+
+    def get(self, dataset_id: str) -> DatasetRecord:
+        if dataset_id in BUILTINS:
+            return self._builtin(dataset_id)
+        validate_id(dataset_id, "dataset id")
+        raw = self.redis.get(keys.dataset(dataset_id))
+        if raw is None:
+            raise NotFound(f"dataset {dataset_id} not found")
+        return DatasetRecord.model_validate_json(raw)
+
+    def resolve(self, ref: str) -> DatasetRecord:
+        """A dataset by id, else by the name it was uploaded with (or a built-in's name) when exactly
+        one dataset has it. InvalidInput (422) for an unknown or ambiguous reference."""
+        try:
+            return self.get(ref)
+        except (NotFound, InvalidInput):
+            pass
+        matches = [record for record in self.list() if record.name == ref]
+        if len(matches) == 1:
+            return matches[0]
+        if matches:
+            raise InvalidInput(f"dataset name {ref!r} is ambiguous: datasets {', '.join(m.id for m in matches)} "
+                               f"have it; give the id")
+        raise InvalidInput(f"unknown dataset {ref!r} (neither an id nor a dataset name); see GET /datasets")
+
+    def annotate(self, jobs: list[Job]) -> list[Job]:
+        """Set each job's `dataset_name` from the catalog (None once a dataset is deleted)."""
+        uploads = sorted({j.dataset for j in jobs if j.dataset not in BUILTINS})
+        raws = self.redis.mget([keys.dataset(i) for i in uploads]) if uploads else []
+        names = {i: DatasetRecord.model_validate_json(raw).name for i, raw in zip(uploads, raws, strict=True) if raw}
+        names.update({i: record.name for i, record in BUILTINS.items()})
+        for job in jobs:
+            job.dataset_name = names.get(job.dataset)
+        return jobs
+
+    def list(self) -> list[DatasetRecord]:
+        ids = sorted(self.redis.smembers(keys.DATASETS_INDEX))
+        raws = self.redis.mget([keys.dataset(i) for i in ids]) if ids else []
+        uploads = [DatasetRecord.model_validate_json(r) for r in raws if r]
+        return [self._builtin(name) for name in BUILTINS] + uploads
+
+    def new_upload_path(self) -> Path:
+        """A fresh file under the datasets dir for an upload to stream into (same filesystem as the
+        extraction, so nothing is copied across disks; a crash leftover is swept by the cleanup)."""
+        self.settings.datasets_dir.mkdir(parents=True, exist_ok=True)
+        return self.settings.datasets_dir / f"{UPLOAD_TEMP_PREFIX}{secrets.token_hex(8)}.zip"
+
+    def claim_for_job(self, dataset_id: str) -> DatasetRecord:
+        """The dataset a job is being submitted for, marked as used now, in one step: the mark and
+        the existence check are one Redis script, so `delete` (which refuses a dataset used in the
+        last IN_USE_GRACE_S) can never remove it between this check and the job's creation.
+        Raises NotFound for an unknown id (and writes nothing for it)."""
+        if dataset_id in BUILTINS:
+            return self._builtin(dataset_id)
+        validate_id(dataset_id, "dataset id")
+        raw = self._claim(keys=[keys.dataset(dataset_id), keys.dataset_last_used(dataset_id)],
+                          args=[f"{time.time():.3f}"])
+        if raw is None:
+            raise NotFound(f"dataset {dataset_id} not found")
+        return DatasetRecord.model_validate_json(raw)
+
+    def last_used(self, dataset_id: str) -> float | None:
+        raw = self.redis.get(keys.dataset_last_used(dataset_id))
+        return float(raw) if raw else None
+
+    def upload(self, archive: BinaryIO | Path, name: str | None) -> DatasetRecord:
+        """Extract safely into the data dir, then record. Nothing is recorded for a refused zip."""
+        if name is not None and not (0 < len(name) <= 200):
+            raise InvalidInput("name must be 1 to 200 characters")
+        dataset_id = f"ds{secrets.token_hex(8)}"
+        limits = ArchiveLimits(
+            max_entries=self.settings.max_zip_entries,
+            max_uncompressed_bytes=self.settings.max_zip_uncompressed_bytes,
+            max_ratio=self.settings.max_zip_ratio,
+            max_image_pixels=self.settings.max_image_pixels,
+        )
+        extracted = extract_image_folder(archive, self.settings.datasets_dir / dataset_id, limits)
+        record = DatasetRecord(
+            id=dataset_id, name=name or dataset_id, kind="upload", classes=extracted.classes,
+            num_images=extracted.num_images, class_counts=extracted.class_counts,
+            skipped=[{"path": s.path, "reason": s.reason} for s in extracted.skipped], created_at=utc_now_iso(),
+        )
+        pipe = self.redis.pipeline()
+        pipe.set(keys.dataset(dataset_id), record.model_dump_json())
+        pipe.sadd(keys.DATASETS_INDEX, dataset_id)
+        pipe.execute()
+        return record
+
+    def delete(self, dataset_id: str) -> None:
+        """Remove an uploaded dataset, unless a queued or running job trains on it or a submission
+        was just given it (409). The record goes in a transaction on the dataset's keys, so a
+        submission's `claim_for_job` either happens before it (and is seen) or finds nothing."""
+        record = self.get(dataset_id)
+        if record.kind != "upload":
+            raise Conflict(f"dataset {dataset_id} is built in and cannot be deleted")
+
+        def txn(pipe: redis.client.Pipeline) -> None:
+            if self.jobs.active_job_on_dataset(dataset_id):
+                raise Conflict(f"dataset {dataset_id} is used by a queued or running job")
+            used = pipe.get(keys.dataset_last_used(dataset_id))
+            if used and time.time() - float(used) < IN_USE_GRACE_S:
+                raise Conflict(f"dataset {dataset_id} was just given to a new job; try again in a few seconds")
+            pipe.multi()
+            pipe.delete(keys.dataset(dataset_id), keys.dataset_last_used(dataset_id))
+            pipe.srem(keys.DATASETS_INDEX, dataset_id)
+
+        self.redis.transaction(txn, keys.dataset(dataset_id), keys.dataset_last_used(dataset_id))
+        root = self.settings.datasets_dir
+        shutil.rmtree(root / dataset_id, ignore_errors=True)
+        shutil.rmtree(root / f".{dataset_id}.cache", ignore_errors=True)
+
+    def _builtin(self, dataset_id: str) -> DatasetRecord:
+        record = BUILTINS[dataset_id]
+        if record.classes is None:
+            record = record.model_copy(update={"classes": builtin_classes(dataset_id)})
+        if record.kind == "torchvision":
+            folder = Path(BUILTIN_TORCHVISION[dataset_id].expected_files(self.settings.builtin_data_dir))
+            present = folder.exists()
+            return record.model_copy(update={
+                "available": present or self.settings.allow_download,
+                "description": f"{record.description} Files: {folder}"
+                               + ("" if present else " (missing; " + ("will be downloaded)" if self.settings.allow_download
+                                                                       else "set TORCHYARD_ALLOW_DOWNLOAD=true or put them there)")),
+            })
+        return record

@@ -1,0 +1,116 @@
+"""Exports: a trained job's model as a file that runs without torchyard (TorchScript or ONNX).
+
+An export is built by a job of kind `export` on a worker (worker/export_job.py), never in the API
+process: it loads the checkpoint, traces or exports the network behind its normalisation, and
+checks the file against the checkpoint before it succeeds. This module is the API's side: which
+export job builds a (checkpoint sha256, format) pair, and what GET /jobs/{id}/export answers:
+
+- the export job succeeded → its file (a second GET is served from this cache; a job whose
+  checkpoint changed has a new sha256 and so gets a new export);
+- it is queued or running → 202 with the export job (Location, Retry-After);
+- it failed → 422 with its error (e.g. the measured parity difference), or 501 when the worker
+  lacked the `export` extra; `retry=true` builds it again;
+- none yet, or it was cancelled → a new export job, 202.
+
+The export job's parameters (`ExportParams`) are written here at creation and read by the worker.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import redis
+from pydantic import BaseModel
+
+from core import keys
+from core.errors import Conflict, InvalidInput, NotAvailableHere, NotFound, Unavailable
+from core.jobs import JobStore
+from core.schemas import ExportFormat, Job, JobKind, JobStatus
+from core.storage import CheckpointPaths
+
+# An export job whose error starts with this failed because the worker lacks the `export` extra:
+# GET answers 501 for it (the other failures are 422).
+UNAVAILABLE_PREFIX = "export unavailable: "
+_FILENAMES = {ExportFormat.torchscript: "model.torchscript.pt", ExportFormat.onnx: "model.onnx"}
+MEDIA_TYPES = {ExportFormat.torchscript: "application/octet-stream", ExportFormat.onnx: "application/octet-stream"}
+_LOCK_TTL_S = 30
+
+
+class ExportParams(BaseModel):
+    """What an export job builds, stored as its `params`."""
+
+    source_job_id: str
+    format: ExportFormat
+    checkpoint_sha256: str
+
+
+def export_path(paths: CheckpointPaths, export_job_id: str, fmt: ExportFormat) -> Path:
+    """Where an export job writes its file: under its own job directory."""
+    return paths.job_dir(export_job_id) / _FILENAMES[fmt]
+
+
+def download_name(source: Job, fmt: ExportFormat) -> str:
+    suffix = ".torchscript.pt" if fmt is ExportFormat.torchscript else ".onnx"
+    return f"{source.model}-{source.id}{suffix}"
+
+
+class ExportCatalog:
+    def __init__(self, client: redis.Redis, store: JobStore, paths: CheckpointPaths) -> None:
+        self.redis = client
+        self.store = store
+        self.paths = paths
+
+    def request(self, job_id: str, fmt: ExportFormat, *, retry: bool = False) -> tuple[Job, Job, Path | None]:
+        """(source job, export job, the file when it is ready). Creates the export job when needed."""
+        source = self.store.get(job_id)
+        if source.kind is not JobKind.train:
+            raise Conflict(f"job {job_id} is a {source.kind.value} job; only a training job's model can be exported")
+        if source.status is not JobStatus.succeeded or source.checkpoint is None:
+            raise Conflict(f"job {job_id} is {source.status.value}; only a succeeded job's model can be exported")
+        sha = source.checkpoint.sha256
+        existing = self._current(sha, fmt)
+        if existing is not None:
+            if existing.status is JobStatus.succeeded:
+                path = export_path(self.paths, existing.id, fmt)
+                if path.exists():
+                    return source, existing, path
+            elif not existing.status.terminal:
+                return source, existing, None
+            elif existing.status is JobStatus.failed and not retry:
+                error = existing.error or "failed"
+                if error.startswith(UNAVAILABLE_PREFIX):
+                    raise NotAvailableHere(f"{error[len(UNAVAILABLE_PREFIX):]} (export job {existing.id}; "
+                                           f"GET again with retry=true once it is installed)")
+                raise InvalidInput(f"exporting job {job_id} as {fmt.value} failed: {error} "
+                                   f"(export job {existing.id}; retry=true builds it again)")
+        return source, self._create(source, sha, fmt), None
+
+    def _current(self, sha: str, fmt: ExportFormat) -> Job | None:
+        export_id = self.redis.get(keys.export(sha, fmt.value))
+        if not export_id:
+            return None
+        try:
+            return self.store.get(export_id)
+        except NotFound:  # deleted since: build it again
+            return None
+
+    def _create(self, source: Job, sha: str, fmt: ExportFormat) -> Job:
+        """One export job per (sha256, format) even when several API processes ask at once."""
+        lock = keys.export_lock(sha, fmt.value)
+        if not self.redis.set(lock, "1", nx=True, ex=_LOCK_TTL_S):
+            for _ in range(100):  # another request is creating it right now
+                time.sleep(0.02)
+                current = self._current(sha, fmt)
+                if current is not None and not current.status.terminal:
+                    return current
+            raise Unavailable("another request is creating this export; retry")
+        try:
+            params = ExportParams(source_job_id=source.id, format=fmt, checkpoint_sha256=sha)
+            export, _ = self.store.create(model=source.model, dataset=source.dataset,
+                                          params=params.model_dump(mode="json"), requested_device="auto",
+                                          kind=JobKind.export)
+            self.redis.set(keys.export(sha, fmt.value), export.id)
+            return export
+        finally:
+            self.redis.delete(lock)

@@ -1,0 +1,39 @@
+"""The image formats torchyard decodes, in one place.
+
+Pillow can open dozens of formats, some through large or external decoders (EPS runs
+Ghostscript); a service that decodes files from the network should run only the decoders it
+means to. This allowlist is what /predict accepts, what dataset uploads keep and what training
+reads: every `Image.open` of a user's file passes `formats=IMAGE_FORMATS`, so Pillow never even
+asks another plugin whether the file is its format (a test scans the code for that).
+"""
+
+from __future__ import annotations
+
+from PIL import Image
+
+# Pillow's plugin names, what `Image.open(..., formats=IMAGE_FORMATS)` is told to try. No "MPO" here:
+# the multi-picture JPEG many cameras write is opened by the JPEG plugin (and Pillow 13 has no
+# plugin of that name: listing it made every refused file a KeyError instead of "not an image").
+IMAGE_FORMATS: tuple[str, ...] = ("PNG", "JPEG", "WEBP", "BMP", "GIF")
+# What such an image's `format` can then be.
+OPENED_FORMATS: tuple[str, ...] = (*IMAGE_FORMATS, "MPO")
+
+# How the formats are named to people (errors, help texts, the OpenAPI document).
+IMAGE_FORMATS_TEXT = "PNG, JPEG, WebP, BMP or GIF"
+
+
+def refused_format(prefix: bytes) -> str | None:
+    """The name of the format outside the allowlist that `prefix` (a file's first bytes) looks like,
+    to say why a file was refused ("TIFF images are not accepted"). Only Pillow's signature checks
+    run (each plugin's `_accept`, a comparison of leading bytes); no decoder does."""
+    Image.init()
+    for name in Image.ID:
+        if name in IMAGE_FORMATS:
+            continue
+        accept = Image.OPEN[name][1]
+        try:
+            if accept is not None and accept(prefix):
+                return name
+        except Exception:
+            continue
+    return None

@@ -1,0 +1,129 @@
+"""Every Redis key torchyard reads or writes, named in one place.
+
+Why one module: the API, the workers and the metrics collector all read the same records, and a
+key spelled twice is a key that drifts. Everything of ours lives under ``ty:`` so a shared Redis
+(or a flush of ours) never touches anyone else's data; Celery's queues are kombu's own lists,
+named by core/queue.py, and their priority sub-lists are spelled here because we read them.
+
+Layout::
+
+    ty:job:<id>                      hash   the job record (core/jobs.py)
+    ty:job:<id>:events               stream status/progress/metrics events, SSE ids
+    ty:jobs                          zset   every job id (lexicographic = chronological)
+    ty:jobs:status:<status>          zset   job ids by status
+    ty:leases                        zset   running job id -> lease expiry
+    ty:idem:<key>                    string Idempotency-Key -> {"job", "request"} (24 h), written with the record
+    ty:dispatch                      zset   queued job id -> when (Redis time) to check its message was taken
+    ty:settle                        zset   ended job id -> when a worker must settle its files (promote, clean)
+    ty:recovery                      hash   counters of the recovery paths (re-sent deliveries, expired leases, ...)
+    ty:sweep:lock                    string which worker sweeps now (short TTL: one sweeper at a time)
+    ty:device:<id>                   string a device's last heartbeat record (JSON)
+    ty:device:<id>:alive             string the owning worker instance; TTL = liveness and lock
+    ty:devices                       set    every device id ever registered
+    ty:predict:<device id>           list   prediction requests for that device's worker
+    ty:reply:<token>                 list   one prediction's reply (short TTL)
+    ty:dataset:<id>                  string an uploaded dataset's record (JSON)
+    ty:datasets                      set    uploaded dataset ids
+    ty:aliases                       hash   alias name -> the job it points at (core/aliases.py)
+    ty:alias:<name>                  hash   an alias's record: target, previous target, who and when
+    ty:alias:<name>:history          list   every move of the alias, oldest first (JSON, capped)
+    ty:export:<sha256>:<format>      string the export job that builds this checkpoint in this format
+    ty:export:<sha256>:<format>:lock string held (short TTL) while one API process creates that job
+    ty:dataset:<id>:last_used        string when a job last asked for the dataset (epoch s)
+    ty:retention:lock                string the API process running the cleanup (TTL = interval)
+    ty:job:<id>:evaluations          zset   evaluation job ids of a trained job (score: submit time)
+    ty:job:<id>:dependents           set    jobs that read this job's checkpoint when they run
+                                            (init_from children, evaluations): core/lineage.py
+"""
+
+from __future__ import annotations
+
+PREFIX = "ty:"
+
+JOBS_INDEX = f"{PREFIX}jobs"
+LEASES = f"{PREFIX}leases"
+DEVICES_INDEX = f"{PREFIX}devices"
+DATASETS_INDEX = f"{PREFIX}datasets"
+ALIASES = f"{PREFIX}aliases"
+
+# --- recovery (#12): the dispatch outbox, files to settle, counters, the sweeper's lock ----------
+DISPATCH_DUE = f"{PREFIX}dispatch"
+FILES_TO_SETTLE = f"{PREFIX}settle"
+RECOVERY_STATS = f"{PREFIX}recovery"
+SWEEP_LOCK = f"{PREFIX}sweep:lock"
+
+# kombu's Redis transport keeps a message with priority p > 0 in "<queue>\x06\x16<p>"; a queue's
+# depth is the sum over these lists (the metrics collector reads them).
+KOMBU_PRIORITY_SUFFIXES = ("", "\x06\x163", "\x06\x166", "\x06\x169")
+
+
+def job(job_id: str) -> str:
+    return f"{PREFIX}job:{job_id}"
+
+
+def job_events(job_id: str) -> str:
+    return f"{PREFIX}job:{job_id}:events"
+
+
+def jobs_with_status(status: str) -> str:
+    return f"{JOBS_INDEX}:status:{status}"
+
+
+def idempotency(key: str) -> str:
+    return f"{PREFIX}idem:{key}"
+
+
+def device_state(device_id: str) -> str:
+    return f"{PREFIX}device:{device_id}"
+
+
+def device_alive(device_id: str) -> str:
+    return f"{PREFIX}device:{device_id}:alive"
+
+
+def predict_queue(device_id: str) -> str:
+    return f"{PREFIX}predict:{device_id}"
+
+
+def predict_reply(token: str) -> str:
+    return f"{PREFIX}reply:{token}"
+
+
+def dataset(dataset_id: str) -> str:
+    return f"{PREFIX}dataset:{dataset_id}"
+
+
+def kombu_queue_lists(queue: str) -> list[str]:
+    """The Redis lists that hold a Celery queue's messages, one per priority level."""
+    return [queue + suffix for suffix in KOMBU_PRIORITY_SUFFIXES]
+
+
+# --- aliases and exports (#16) ---------------------------------------------------------------
+def alias(name: str) -> str:
+    return f"{PREFIX}alias:{name}"
+
+
+def alias_history(name: str) -> str:
+    return f"{PREFIX}alias:{name}:history"
+
+
+def export(checkpoint_sha256: str, fmt: str) -> str:
+    return f"{PREFIX}export:{checkpoint_sha256}:{fmt}"
+
+
+def export_lock(checkpoint_sha256: str, fmt: str) -> str:
+    return f"{PREFIX}export:{checkpoint_sha256}:{fmt}:lock"
+
+
+# --- retention (#13, core/retention.py) --------------------------------------------------------
+RETENTION_LOCK = f"{PREFIX}retention:lock"
+
+
+def dataset_last_used(dataset_id: str) -> str:
+    return f"{PREFIX}dataset:{dataset_id}:last_used"
+def job_evaluations(job_id: str) -> str:
+    return f"{PREFIX}job:{job_id}:evaluations"
+
+
+def job_dependents(job_id: str) -> str:
+    return f"{PREFIX}job:{job_id}:dependents"

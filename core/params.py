@@ -1,0 +1,156 @@
+"""A training job's hyper-parameters: every default decided here, once, at submit.
+
+The API resolves a `JobSpec` into `TrainingParams` when the job is accepted and stores them with
+the job (`Job.params`); the worker reads what is stored and never re-decides a default, so the
+record says exactly what ran (nanoGPT keeps its defaults in one block and saves them with the
+checkpoint the same way). What depends on the device that takes the job (the batch size when
+none was asked for, mixed precision, data placement) is the worker's choice, added to the same
+params when it starts (worker/trainer.py `plan_training`).
+
+Two sets of defaults live here, on purpose:
+- `RECIPE`: what a job submitted now gets for a field it leaves out (docs/training.md says why
+  each value, with the measurements);
+- the field defaults of `TrainingParams`: what a job stored *before* the recipe existed ran
+  with (constant learning rate, no label smoothing, no early stopping, the last epoch's
+  weights). They apply only when an older record is read back, so it keeps saying what ran and a
+  queued one resumes with the recipe it was submitted under.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from core.errors import InvalidInput
+from core.schemas import Job, JobSpec
+from models.registry import MODELS, UnknownModel, get_model_spec
+
+Optimizer = Literal["sgd", "adam", "adamw"]
+Schedule = Literal["onecycle", "cosine", "constant"]
+Monitor = Literal["val_accuracy", "val_loss"]
+Keep = Literal["best", "last"]
+
+# The peak learning rate per optimizer (the schedule rises to it and anneals from it). SGD with
+# momentum 0.9 wants a larger step than Adam's family.
+DEFAULT_LEARNING_RATE: dict[str, float] = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
+# Decoupled weight decay for AdamW; L2 for SGD (the classic 5e-4); plain Adam couples decay with
+# its adaptive step (Loshchilov & Hutter), so it gets none unless asked.
+DEFAULT_WEIGHT_DECAY: dict[str, float] = {"sgd": 5e-4, "adam": 0.0, "adamw": 0.05}
+# When the job leaves batch_size open: a GPU keeps busy with bigger batches (worker/trainer.py).
+DEFAULT_BATCH_SIZE = {"cuda": 256, "cpu": 128}
+
+
+class Recipe(BaseModel):
+    """The defaults of a job submitted now, in one block (measured in docs/training.md)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    optimizer: Optimizer = "adamw"
+    schedule: Schedule = "cosine"
+    warmup_fraction: dict[str, float] = {"onecycle": 0.25, "cosine": 0.05, "constant": 0.0}
+    # The default schedule needs room: on runs of 4 to 25 optimizer steps (the generated datasets,
+    # and a few hundred photos at batch 128) annealing cost up to 25 points of validation accuracy
+    # against a constant rate (docs/training.md), so a run shorter than this keeps the rate
+    # constant. A schedule the job asks for by name always applies.
+    min_schedule_steps: int = 200
+    label_smoothing: float = 0.0  # measured neutral within seed noise here (docs/training.md)
+    patience: int = 5  # epochs without a better monitor before stopping; 0 = never
+    monitor: Monitor = "val_accuracy"
+    keep: Keep = "best"
+    augment: bool = False
+
+
+RECIPE = Recipe()
+
+
+class TrainingParams(BaseModel):
+    """The resolved hyper-parameters, as stored with the job."""
+
+    # A job's stored params also carry the worker's device choices; reading them back ignores those.
+    model_config = ConfigDict(extra="ignore")
+
+    epochs: int
+    batch_size: int | None  # None: the worker picks DEFAULT_BATCH_SIZE for its device
+    learning_rate: float
+    optimizer: Optimizer
+    seed: int
+    val_fraction: float
+    image_size: int
+    augment: bool
+    # The recipe's fields. Defaults here = what records made before them ran with (see above).
+    schedule: Schedule = "constant"
+    warmup_fraction: float = 0.0
+    min_schedule_steps: int = 0  # fewer optimizer steps in the run: the rate stays constant
+    weight_decay: float | None = None  # older records: filled in below from their optimizer
+    label_smoothing: float = 0.0
+    patience: int = 0
+    monitor: Monitor = "val_accuracy"
+    keep: Keep = "last"
+    # Where the first weights come from (lineage; also in the checkpoint's metadata).
+    init_from: str | None = None
+    pretrained: bool = False
+
+    @model_validator(mode="after")
+    def _legacy_weight_decay(self) -> TrainingParams:
+        if self.weight_decay is None:  # before the recipe: AdamW used torch's default 0.01, others none
+            self.weight_decay = 0.01 if self.optimizer == "adamw" else 0.0
+        return self
+
+    @property
+    def decay(self) -> float:
+        return self.weight_decay or 0.0
+
+
+def resolve_params(spec: JobSpec, parent: Job | None = None) -> TrainingParams:
+    """Every hyper-parameter of `spec` with its value. `parent` is the job `init_from` names
+    (already checked by core/submission.py): the child keeps its image size unless it asks for
+    another. Raises InvalidInput for an unknown model, an image_size the architecture cannot take,
+    or pretrained weights the architecture does not have."""
+    try:
+        model = get_model_spec(spec.model)
+    except UnknownModel:
+        raise InvalidInput(f"unknown model {spec.model!r}; available: {', '.join(MODELS)}") from None
+    if spec.image_size is not None and model.input.fixed_size and spec.image_size != model.input.height:
+        raise InvalidInput(f"{spec.model} takes {model.input.height}×{model.input.width} input only; "
+                           f"leave image_size unset")
+    if spec.pretrained and spec.init_from:
+        raise InvalidInput("give either init_from or pretrained, not both: init_from already starts from "
+                           "that job's weights")
+    if spec.pretrained and model.pretrained is None:
+        with_weights = [name for name, m in MODELS.items() if m.pretrained is not None]
+        raise InvalidInput(f"{spec.model} has no pretrained weights; pretrained works with {', '.join(with_weights)}")
+    image_size = spec.image_size or _inherited_size(parent) or (
+        model.pretrained.crop_size if spec.pretrained and model.pretrained else model.input.height)
+    optimizer = spec.optimizer or RECIPE.optimizer
+    schedule = spec.schedule or RECIPE.schedule
+    return TrainingParams(
+        epochs=spec.epochs, batch_size=spec.batch_size,
+        learning_rate=spec.learning_rate or DEFAULT_LEARNING_RATE[optimizer], optimizer=optimizer,
+        seed=spec.seed, val_fraction=spec.val_fraction, image_size=image_size,
+        augment=RECIPE.augment if spec.augment is None else spec.augment,
+        schedule=schedule, min_schedule_steps=0 if spec.schedule else RECIPE.min_schedule_steps,
+        warmup_fraction=_given(spec.warmup_fraction, RECIPE.warmup_fraction[schedule]),
+        weight_decay=_given(spec.weight_decay, DEFAULT_WEIGHT_DECAY[optimizer]),
+        label_smoothing=_given(spec.label_smoothing, RECIPE.label_smoothing),
+        patience=_given(spec.patience, RECIPE.patience),
+        monitor=spec.monitor or RECIPE.monitor, keep=spec.keep or RECIPE.keep,
+        init_from=spec.init_from, pretrained=spec.pretrained,
+    )
+
+
+def schedule_for(params: TrainingParams, total_steps: int) -> Schedule:
+    """The schedule a run of `total_steps` optimizer steps uses (the worker knows the steps only
+    once its batch size and the data are known; the rule is decided here, with the defaults)."""
+    return "constant" if total_steps < params.min_schedule_steps else params.schedule
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _inherited_size(parent: Job | None) -> int | None:
+    if parent is None:
+        return None
+    size = parent.params.get("image_size")
+    return int(size) if isinstance(size, int | float) else None

@@ -1,0 +1,113 @@
+"""The training queue contract between the API and the workers, owned here.
+
+A training job travels as one Celery message, `torchyard.train(job_id, delivery_token)`
+(`TrainDelivery`), on a queue chosen by the job's `device` request (`queue_for_device`). Both
+sides build the Celery app here; no task code is imported, so the API sends tasks by name and
+never loads the worker's modules. Predictions do not use Celery (see core/wire.py).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from celery import Celery
+
+from core import keys
+from core.config import Settings
+from core.redis import celery_broker_url
+
+TRAIN_TASK = "torchyard.train"
+TRAIN_QUEUE = "train"
+# The queues every deployment has; per-device ones (train.dev.<id>) come and go with devices.
+SHARED_TRAIN_QUEUES = (TRAIN_QUEUE, f"{TRAIN_QUEUE}.cpu", f"{TRAIN_QUEUE}.cuda")
+
+
+def queue_for_device(requested: str) -> str:
+    """Celery queue for a `device` request: shared (auto), per type (cuda, cpu), or one device's own."""
+    if requested == "auto":
+        return TRAIN_QUEUE
+    if requested in ("cuda", "cpu"):
+        return f"{TRAIN_QUEUE}.{requested}"
+    return f"{TRAIN_QUEUE}.dev.{requested}"
+
+
+@dataclass(frozen=True)
+class TrainDelivery:
+    """One delivery of a job: the worker runs it only while `token` is the job's current one."""
+
+    job_id: str
+    token: str
+    queue: str
+
+    def task_args(self) -> list[str]:
+        return [self.job_id, self.token]
+
+    @property
+    def task_id(self) -> str:
+        """The Celery task id of this delivery's message: how the dispatch reconciler recognises
+        it waiting in a queue (`waiting_task_ids`). Ids and tokens are hex, so the dot is unambiguous."""
+        return f"{self.job_id}.{self.token}"
+
+
+# How the job store sends a delivery; a callable so core/jobs.py never imports Celery.
+Dispatch = Callable[[TrainDelivery], None]
+
+
+def create_celery(settings: Settings, *, with_tasks: bool = False) -> Celery:
+    app = Celery("torchyard", broker=celery_broker_url(settings.resolved_redis_url()),
+                 include=["worker.tasks"] if with_tasks else [])
+    app.conf.update(
+        task_ignore_result=True,  # job state lives in the job store, not in a result backend
+        # A job is acknowledged only when its task returns, and one worker takes one job at a time.
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        task_reject_on_worker_lost=True,
+        # Redelivery of a dead worker's job is the job store's lease sweep (tens of seconds); Redis'
+        # own visibility timeout is set far beyond any job so it never starts a second copy. If it
+        # ever does restore a message, its stale delivery token makes the worker drop it.
+        broker_transport_options={"visibility_timeout": 7 * 24 * 3600},
+        broker_connection_retry_on_startup=True,
+        # Never give up on the broker: a restarted Redis (embedded, AOF) comes back on the same URL,
+        # and the consumer must resume by itself rather than exit after 100 tries.
+        broker_connection_retry=True,
+        broker_connection_max_retries=None,
+        task_default_queue="train",
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+        worker_cancel_long_running_tasks_on_connection_loss=False,
+    )
+    return app
+
+
+def dispatcher(app: Celery) -> Dispatch:
+    """The JobStore's dispatch callable: one `train(job_id, token)` message on the job's queue."""
+
+    def dispatch(delivery: TrainDelivery) -> None:
+        app.send_task(TRAIN_TASK, args=delivery.task_args(), queue=delivery.queue, task_id=delivery.task_id)
+
+    return dispatch
+
+
+def waiting_task_ids(client: Any, queues: Iterable[str]) -> set[str]:
+    """Task ids of the messages waiting in these Celery queues (not those a worker has taken).
+
+    kombu's Redis transport keeps a queue as lists of JSON messages (one list per priority,
+    core/keys.kombu_queue_lists) whose `headers.id` is the Celery task id (protocol 2). One LRANGE
+    per list: the reconciler reads them only when some queued job is overdue."""
+    pipe = client.pipeline(transaction=False)
+    for queue in queues:
+        for name in keys.kombu_queue_lists(queue):
+            pipe.lrange(name, 0, -1)
+    found: set[str] = set()
+    for messages in pipe.execute():
+        for raw in messages:
+            try:
+                task_id = json.loads(raw)["headers"]["id"]
+            except (ValueError, KeyError, TypeError):
+                continue  # not a Celery protocol-2 message: not one of ours
+            if isinstance(task_id, str):
+                found.add(task_id)
+    return found

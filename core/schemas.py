@@ -1,0 +1,325 @@
+"""Pydantic models of the HTTP contract (shared/api.md, v1)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class JobStatus(StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+
+
+class JobKind(StrEnum):
+    """What a job does on a worker. Every kind shares the lifecycle (queued → running → terminal),
+    leases, cancellation and events; worker/job_runner.py picks the handler by kind."""
+
+    train = "train"  # a model from a dataset → a checkpoint
+    predict = "predict"  # a trained model over a folder of images → a results file (batch inference)
+    evaluate = "evaluate"  # a trained model on a dataset → accuracy, loss, confusion matrix
+    export = "export"  # a trained model → a file that runs without torchyard (TorchScript, ONNX)
+
+
+class JobSpec(BaseModel):
+    """What a user asks for in POST /jobs. Everything but model and dataset has a default; a field
+    left out (or null) takes the default core/params.py decides at submit."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    kind: Literal[JobKind.train] = JobKind.train
+    model: str = Field(min_length=1, max_length=64)
+    dataset: str = Field(min_length=1, max_length=200, description="A dataset id, or the unique name it was "
+                                                                    "uploaded with.")
+    epochs: int = Field(default=5, ge=1, le=1000)
+    batch_size: int | None = Field(default=None, ge=1, le=8192, description="Default: 256 on a GPU, 128 on a CPU.")
+    learning_rate: float | None = Field(default=None, gt=0, le=10, description="Default: per optimizer. With a "
+                                        "schedule, the peak learning rate.")
+    optimizer: Literal["sgd", "adam", "adamw"] | None = Field(default=None, description="Default: adamw.")
+    device: str = Field(default="auto", max_length=200, description='"auto", "cuda", "cpu" or a device id.')
+    seed: int = Field(default=0, ge=0, le=2**31 - 1)
+    val_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    image_size: int | None = Field(default=None, ge=16, le=512, description="Square input size for resizable models.")
+    augment: bool | None = Field(default=None, description="Random crop (4-pixel reflected padding) and horizontal "
+                                 "flip drawn per image, on the device. Default: off.")
+    # --- the training recipe (docs/training.md says what each default is and why) ---------
+    schedule: Literal["onecycle", "cosine", "constant"] | None = Field(
+        default=None, description="Learning-rate schedule, stepped every step. Default: onecycle.")
+    warmup_fraction: float | None = Field(default=None, ge=0.0, lt=1.0, description="Share of the steps spent "
+                                          "warming up (onecycle's rise, cosine's linear warm-up).")
+    weight_decay: float | None = Field(default=None, ge=0.0, le=1.0, description="Default: per optimizer.")
+    label_smoothing: float | None = Field(default=None, ge=0.0, lt=1.0, description="Default: 0 (off).")
+    patience: int | None = Field(default=None, ge=0, le=1000, description="Early stopping: stop after this many "
+                                 "epochs without a better `monitor`; 0 turns it off.")
+    monitor: Literal["val_accuracy", "val_loss"] | None = Field(
+        default=None, description="What early stopping and the best epoch are judged by. Default: val_accuracy "
+                                  "(ties broken by the lower val_loss).")
+    keep: Literal["best", "last"] | None = Field(default=None, description="Which weights the checkpoint keeps: "
+                                                 "the best validation epoch's (default) or the last epoch's.")
+    init_from: str | None = Field(default=None, min_length=1, max_length=128, description="Start from the weights "
+                                  "of this succeeded job (same model); a new classifier head when classes differ.")
+    pretrained: bool = Field(default=False, description="Start from torchvision's ImageNet weights (resnet18, "
+                             "mobilenet_v3_small), with their preprocessing.")
+
+
+class EvaluateSpec(BaseModel):
+    """What a user asks for in POST /jobs/{id}/evaluate."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str = Field(min_length=1, max_length=200, description="A dataset id, or the unique name it was "
+                                                                    "uploaded with.")
+    device: str = Field(default="auto", max_length=200, description='"auto", "cuda", "cpu" or a device id.')
+    batch_size: int | None = Field(default=None, ge=1, le=8192, description="Default: 256.")
+
+
+class Progress(BaseModel):
+    epoch: int = 0
+    epochs: int = 0
+    step: int = 0
+    steps: int = 0
+
+
+class EpochMetrics(BaseModel):
+    epoch: int
+    train_loss: float
+    train_accuracy: float
+    val_loss: float | None
+    val_accuracy: float | None
+    images_per_second: float
+    seconds: float
+    per_class_accuracy: dict[str, float] | None = None
+    # rows: true class, columns: predicted class, in the job's `classes` order. Recorded for the
+    # final epoch of a training job (up to MAX_CONFUSION_CLASSES classes).
+    confusion_matrix: list[list[int]] | None = None
+    learning_rate: float | None = None  # at the end of the epoch (the schedule's)
+
+
+# Beyond this many classes a confusion matrix is not stored in job records (it grows as the square).
+MAX_CONFUSION_CLASSES = 200
+
+
+class EvaluationResult(BaseModel):
+    """A checkpoint measured on labelled images: a training job's validation split (its kept
+    weights) or an evaluation job's dataset."""
+
+    dataset: str
+    split: Literal["validation", "test", "all"]  # test: a built-in's test split; all: every image of an upload
+    epoch: int | None = None  # validation: the epoch whose weights the checkpoint holds
+    num_images: int
+    accuracy: float
+    loss: float  # mean cross-entropy, without label smoothing
+    classes: list[str]  # the model's classes: the order of per-class rows and columns
+    per_class_accuracy: dict[str, float]  # classes with at least one image
+    confusion_matrix: list[list[int]] | None  # rows: true, columns: predicted; null beyond MAX_CONFUSION_CLASSES
+
+
+class Evaluation(BaseModel):
+    """An evaluation job as GET /jobs/{id}/evaluations/{eid} shows it (and Job.evaluations lists)."""
+
+    id: str
+    job_id: str  # the trained job whose checkpoint is evaluated
+    status: JobStatus
+    dataset: str
+    dataset_name: str | None = None
+    device: str | None = None
+    error: str | None = None
+    created_at: datetime
+    finished_at: datetime | None = None
+    result: EvaluationResult | None = None
+
+
+class CheckpointInfo(BaseModel):
+    url: str
+    sha256: str
+    bytes: int
+
+
+class Job(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+    id: str
+    kind: JobKind = JobKind.train
+    status: JobStatus
+    model: str
+    dataset: str
+    params: dict
+    device: str | None = None
+    requested_device: str = "auto"
+    progress: Progress = Progress()
+    metrics: list[EpochMetrics] = []
+    checkpoint: CheckpointInfo | None = None
+    classes: list[str] | None = None
+    error: str | None = None
+    message: str | None = Field(default=None, description="What the job waits for or what happened to it.")
+    attempts: int = 0
+    resumed_from_epoch: int | None = Field(
+        default=None, description="Set when a later delivery continued after this finished epoch.")
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    # --- training outcomes and evaluations (docs/training.md) --------------------------------
+    dataset_name: str | None = Field(default=None, description="The dataset's name, when it still exists.")
+    best_epoch: int | None = Field(default=None, description="The epoch whose weights the checkpoint holds.")
+    stop_reason: str | None = Field(default=None, description="Why training ended: all epochs ran, or early "
+                                                              "stopping and why.")
+    evaluation: EvaluationResult | None = Field(
+        default=None, description="train: the validation split on the kept weights; evaluate: the result.")
+    evaluations: list[Evaluation] | None = Field(
+        default=None, description="GET /jobs/{id} of a training job: its evaluations, newest first.")
+
+
+class JobList(BaseModel):
+    jobs: list[Job]
+    next_cursor: str | None = None
+
+
+class Device(BaseModel):
+    id: str
+    type: Literal["cuda", "cpu"]
+    index: int | None
+    name: str
+    memory_total_bytes: int | None
+    memory_used_bytes: int | None
+    utilization_percent: float | None
+    worker: str
+    status: Literal["idle", "busy", "offline", "broken"] = Field(
+        description="broken: its worker hit a sticky device error and is restarting (see `fault`).")
+    current_job: str | None
+    loaded_models: list[str]
+    last_heartbeat: datetime
+    cuda_visible_devices: str | None = Field(default=None, description="As the worker process saw it.")
+    pid: int | None = None
+    inference: dict | None = Field(default=None, description="Batches served: count, images, size histogram.")
+    fault: str | None = Field(default=None, description="The device error that took its worker out of service; "
+                                                        "cleared when a fresh worker process starts.")
+    host_memory_total_bytes: int | None = Field(
+        default=None, description="RAM the worker's process may use (its host's, or its container's limit); "
+                                  "what job admission measures a job's data against (core/admission.py).")
+
+
+class DeviceList(BaseModel):
+    devices: list[Device]
+
+
+class ModelInput(BaseModel):
+    channels: int
+    height: int
+    width: int
+
+
+class ModelInfo(BaseModel):
+    name: str
+    description: str
+    input: ModelInput
+    parameters: int
+
+
+class ModelList(BaseModel):
+    models: list[ModelInfo]
+
+
+class Prediction(BaseModel):
+    label: str
+    index: int
+    probability: float
+
+
+class ImagePredictions(BaseModel):
+    filename: str | None
+    predictions: list[Prediction]
+
+
+class PredictResponse(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+    job_id: str
+    model: str
+    device: str
+    results: list[ImagePredictions]
+    alias: str | None = Field(default=None, description="The alias the request named (it resolved to job_id).")
+
+
+class Health(BaseModel):
+    status: str
+
+
+# --- aliases and exports (#16) ---------------------------------------------------------------
+class AliasSet(BaseModel):
+    """PUT /aliases/{name}: point the alias at a succeeded training job (create or move it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str = Field(min_length=1, max_length=128)
+    note: str | None = Field(default=None, max_length=500, description="Why, for the history (who is recorded too).")
+
+
+class AliasNote(BaseModel):
+    """POST /aliases/{name}/rollback and DELETE: an optional note for the history."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    note: str | None = Field(default=None, max_length=500)
+
+
+class AliasMove(BaseModel):
+    """One entry of an alias's history: who moved it where, when."""
+
+    action: Literal["set", "rollback", "delete"]
+    at: datetime
+    from_job_id: str | None
+    to_job_id: str | None
+    by: str | None = Field(default=None, description="The caller's address, as the API saw it.")
+    user_agent: str | None = None
+    note: str | None = None
+
+
+class Alias(BaseModel):
+    name: str
+    job_id: str
+    model: str = Field(description="The target job's architecture.")
+    previous_job_id: str | None = Field(default=None, description="Where a rollback goes.")
+    created_at: datetime
+    updated_at: datetime
+    updated_by: str | None = None
+    note: str | None = None
+    moves: int = Field(default=1, description="How many times it was set, rollbacks included.")
+
+
+class WarmResult(BaseModel):
+    """How warming the new target went on one device that held the old one."""
+
+    device: str
+    status: Literal["resident", "loaded", "failed", "timeout"]
+    seconds: float | None = None
+    detail: str | None = None
+
+
+class AliasUpdate(Alias):
+    """The answer to a move: the alias as it now is, and the warm-up done before it moved."""
+
+    warm: list[WarmResult] = []
+
+
+class AliasList(BaseModel):
+    aliases: list[Alias]
+
+
+class AliasHistory(BaseModel):
+    name: str
+    moves: list[AliasMove] = Field(description="Newest first.")
+
+
+class ExportFormat(StrEnum):
+    torchscript = "torchscript"
+    onnx = "onnx"

@@ -1,0 +1,175 @@
+"""The API side of /predict against a real Redis: header checks, the order of errors, the worker
+choice, and a bounded wait (503) when nobody answers. The worker side is played by hand here."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+
+import numpy as np
+import pytest
+import redis
+from PIL import Image
+
+from app.api.predictions import PredictionClient, UploadedImage, check_image
+from core import keys
+from core.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable, UnsupportedMedia
+from core.redis import connect_async
+from core.wire import PredictRequest
+
+
+def _image(fmt: str = "PNG", size: tuple[int, int] = (8, 8)) -> UploadedImage:
+    buffer = io.BytesIO()
+    Image.fromarray(np.zeros((size[1], size[0], 3), dtype=np.uint8)).save(buffer, format=fmt)
+    return UploadedImage(f"x.{fmt.lower()}", buffer.getvalue())
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "BMP", "GIF"])
+def test_accepted_formats_pass_the_header_check(fmt: str) -> None:
+    check_image(_image(fmt), max_bytes=1 << 20, max_pixels=100)
+
+
+def test_header_check_refusals() -> None:
+    with pytest.raises(UnsupportedMedia):
+        check_image(UploadedImage("a.txt", b"hello"), 1 << 20, 100)
+    with pytest.raises(UnsupportedMedia):
+        check_image(UploadedImage("empty.png", b""), 1 << 20, 100)
+    with pytest.raises(UnsupportedMedia):
+        check_image(_image("TIFF"), 1 << 20, 100)
+    with pytest.raises(TooLarge):
+        check_image(_image(), max_bytes=10, max_pixels=100)
+    with pytest.raises(TooLarge):
+        check_image(_image(size=(20, 20)), max_bytes=1 << 20, max_pixels=100)
+
+
+def _client(url: str, timeout_s: float = 1.0) -> PredictionClient:
+    return PredictionClient(connect_async(url), timeout_s=timeout_s, max_bytes=1 << 20, max_pixels=10_000,
+                            max_images=4)
+
+
+def _register_device(sync: redis.Redis, device_id: str, loaded: list[str], status: str = "idle") -> None:
+    state = {"id": device_id, "type": "cpu", "index": None, "name": "cpu", "memory_total_bytes": 1,
+             "memory_used_bytes": 0, "utilization_percent": None, "worker": f"cpu@{device_id}", "status": status,
+             "current_job": None, "loaded_models": loaded, "last_heartbeat": "2026-01-01T00:00:00+00:00"}
+    sync.set(keys.device_state(device_id), json.dumps(state))
+    sync.set(keys.device_alive(device_id), "instance", px=60_000)
+    sync.sadd(keys.DEVICES_INDEX, device_id)
+
+
+def test_errors_come_in_order_and_no_worker_is_a_quick_503(clean_redis_url: str) -> None:
+    sync = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    sync.hset(keys.job("queuedjob"), "status", "queued")
+    sync.hset(keys.job("donejob"), "status", "succeeded")
+
+    async def scenario() -> None:
+        client = _client(clean_redis_url, timeout_s=60)
+        good = [_image()]
+        with pytest.raises(InvalidInput):
+            await client.predict("donejob", [], 5)
+        with pytest.raises(TooLarge):
+            await client.predict("donejob", good * 5, 5)
+        with pytest.raises(UnsupportedMedia):  # the image is judged before the job
+            await client.predict("nosuchjob", [UploadedImage("a", b"x")], 5)
+        with pytest.raises(NotFound):
+            await client.predict("nosuchjob", good, 5)
+        with pytest.raises(Conflict):
+            await client.predict("queuedjob", good, 5)
+        with pytest.raises(Unavailable, match="no live worker"):  # at once: nothing was queued to wait for
+            await client.predict("donejob", good, 5)
+        assert not await client.redis.keys("ty:predict:*")
+        await client.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_worker_that_never_answers_is_a_503_after_the_timeout(clean_redis_url: str) -> None:
+    sync = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    sync.hset(keys.job("donejob"), "status", "succeeded")
+    _register_device(sync, "n/cpu", [])
+
+    async def scenario() -> None:
+        client = _client(clean_redis_url, timeout_s=0.5)
+        with pytest.raises(Unavailable, match="did not answer"):
+            await client.predict("donejob", [_image()], 5)
+        await client.redis.aclose()
+
+    asyncio.run(scenario())
+    queued = PredictRequest.decode(sync.lpop(keys.predict_queue("n/cpu")))  # it did reach the device's list
+    assert queued.job_id == "donejob" and queued.deadline > queued.queued_at
+
+
+def test_reply_passthrough_and_worker_choice(clean_redis_url: str) -> None:
+    sync = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    sync.hset(keys.job("donejob"), "status", "succeeded")
+    _register_device(sync, "n/cpu", [], status="busy")
+    _register_device(sync, "n/cuda:0", ["donejob"], status="busy")  # holds the model: preferred
+    _register_device(sync, "n/cuda:1", [], status="idle")
+
+    def fake_worker(body: str) -> None:
+        _, raw = sync.blpop([keys.predict_queue("n/cuda:0")], timeout=5)
+        sync.rpush(PredictRequest.decode(raw).reply_to, body)
+
+    async def scenario() -> None:
+        client = _client(clean_redis_url, timeout_s=5)
+        loop = asyncio.get_running_loop()
+        answer = '{"job_id": "donejob", "results": []}'
+        worker = loop.run_in_executor(None, fake_worker, f"200 {answer}")
+        assert await client.predict("donejob", [_image()], 3) == answer.encode()
+        await worker
+        worker = loop.run_in_executor(None, fake_worker, '415 {"detail": "x.png: cannot decode image"}')
+        with pytest.raises(UnsupportedMedia, match="cannot decode"):
+            await client.predict("donejob", [_image()], 3)
+        await worker
+        await client.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def _form_request(files: list[tuple[str, tuple]], data: dict[str, str]):
+    """A Starlette request carrying exactly the multipart body httpx would send."""
+    import httpx
+    from starlette.requests import Request
+
+    built = httpx.Request("POST", "http://x/predict", files=files, data=data)
+    body = built.read()
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    headers = [(k.lower().encode(), v.encode()) for k, v in built.headers.items()]
+    return Request({"type": "http", "method": "POST", "path": "/predict", "headers": headers, "query_string": b""},
+                   receive)
+
+
+def test_multipart_reader_matches_what_clients_send() -> None:
+    from app.api.multipart import read_form
+
+    png = _image().data
+    files = [("file", ("a.png", png, "image/png")), ("file", ('we"ird name.png', b"\r\n--x\r\n", "image/png"))]
+    form = asyncio.run(read_form(_form_request(files, {"job_id": "abc", "top_k": "3"}), max_parts=10,
+                                 file_fields=frozenset({"file"})))
+    assert form.fields == {"job_id": "abc", "top_k": "3"}
+    assert form.files["file"] == [("a.png", png), ("we%22ird name.png", b"\r\n--x\r\n")]  # as httpx escapes it
+
+
+@pytest.mark.parametrize("content_type,body", [
+    ("application/json", b'{"job_id": "x"}'),
+    ("multipart/form-data", b"--x\r\n"),  # no boundary parameter
+    ("multipart/form-data; boundary=x", b"garbage"),
+    ("multipart/form-data; boundary=x", b'--x\r\nContent-Disposition: form-data; name="a"\r\n\r\n1\r\n'),  # unclosed
+    ("multipart/form-data; boundary=x", b"--x\r\nno headers end\r\n--x--\r\n"),
+    ("multipart/form-data; boundary=x", b"--x\r\nContent-Type: text/plain\r\n\r\n1\r\n--x--\r\n"),
+])
+def test_multipart_reader_refuses_malformed_bodies(content_type: str, body: bytes) -> None:
+    from starlette.requests import Request
+
+    from app.api.multipart import read_form
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    request = Request({"type": "http", "method": "POST", "path": "/predict", "query_string": b"",
+                       "headers": [(b"content-type", content_type.encode())]}, receive)
+    with pytest.raises(InvalidInput):
+        asyncio.run(read_form(request, max_parts=10))

@@ -1,0 +1,32 @@
+"""A short pass of the chaos soak (scripts/chaos.py; `make chaos` runs the long one): jobs
+submitted through the API, retried with their Idempotency-Key, while the API is killed, Redis is
+killed and frozen, and the API and a worker are frozen; nothing may be lost or run twice, every
+checkpoint must match its sha256. (Killed and broken workers restart a whole process, tens of
+seconds of torch import on a busy CI host: the long pass and tests/e2e cover those.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+def test_short_chaos_pass(tmp_path: Path) -> None:
+    report_path = tmp_path / "chaos.json"
+    kinds = ["kill-api", "kill-redis", "freeze-redis", "freeze-api", "freeze-worker"]
+    run = subprocess.run([sys.executable, "scripts/chaos.py", "--jobs", "6", "--faults", str(len(kinds)),
+                          "--kinds", ",".join(kinds), "--max-seconds", "150", "--drain-seconds", "150",
+                          "--freeze-max", "4", "--gap-max", "2", "--data-dir", str(tmp_path / "data"),
+                          "--json", str(report_path)], cwd=REPO, capture_output=True, text=True, timeout=420)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["acknowledged"] >= 6 and report["succeeded"] == report["acknowledged"]
+    assert report["lost"] == report["ran_twice"] == report["checkpoint_mismatches"] == report["unannounced"] == []
+    assert set(report["faults"]) == set(kinds)

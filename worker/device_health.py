@@ -1,0 +1,121 @@
+"""Is this worker's device still usable? Sticky device errors take the worker out of service.
+
+After some CUDA errors the process's CUDA context is unusable for good: every later kernel
+launch, copy or query fails with the same error, so each job that reaches the worker would fail
+at once (and the shared `auto` queue would drain into it). Only a fresh process gets a fresh
+context. So when one of these errors is seen, or the device cannot even be described several
+times in a row, the worker is *out of service*: its heartbeat publishes `broken` (never an old
+reading as if idle), the job in hand is requeued (not failed: the job is not at fault), and the
+worker stops consuming and exits non-zero, for its supervisor (`torchyard up`, compose's restart
+policy) to start a fresh process.
+
+What is CUDA-only here is the *origin* of the errors (the messages below come from the CUDA
+runtime through torch, and `describe` queries `torch.cuda.mem_get_info` and NVML). The logic that
+classifies them, counts failed probes, requeues, exits and restarts runs on the CPU as well, and
+the tests drive it there through `TORCHYARD_DEVICE_FAULT_FILE` (`inject_fault`): the CPU twin of
+a device that breaks mid-step. docs/gpu.md lists exactly what a CPU run does not exercise.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Substrings of the errors after which a CUDA context is unusable (cudaError_t strings as torch
+# reports them: "CUDA error: <string>", and the cuBLAS/cuDNN failures that follow them). Out of
+# memory is not among them: it is recoverable, and the job fails with advice instead.
+STICKY_DEVICE_ERRORS = (
+    "an illegal memory access was encountered",  # cudaErrorIllegalAddress
+    "device-side assert triggered",  # cudaErrorAssert
+    "uncorrectable ecc error",  # cudaErrorECCUncorrectable
+    "unspecified launch failure",  # cudaErrorLaunchFailure
+    "misaligned address",  # cudaErrorMisalignedAddress
+    "an illegal instruction was encountered",  # cudaErrorIllegalInstruction
+    "cuda error: unknown error",  # cudaErrorUnknown
+    "the launch timed out and was terminated",  # cudaErrorLaunchTimeout
+    "gpu is lost",  # NVML_ERROR_GPU_IS_LOST
+    "cublas_status_execution_failed",
+    "cudnn_status_execution_failed",
+)
+# The device could not be described (mem_get_info, NVML) this many beats in a row.
+MAX_PROBE_FAILURES = 3
+DEFAULT_INJECTED_ERROR = "CUDA error: an illegal memory access was encountered"
+
+
+def sticky_device_error(exc: BaseException) -> str | None:
+    """The sticky device error behind `exc` (or its causes), as its first line; None if none is."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current)
+        if any(pattern in text.lower() for pattern in STICKY_DEVICE_ERRORS):
+            line = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(current).__name__)
+            return line[:500]
+        current = current.__cause__ or current.__context__
+    return None
+
+
+class InjectedDeviceFault(RuntimeError):
+    """The CPU twin's broken device: raised mid-step when the fault file appears (tests, chaos)."""
+
+
+class DeviceHealth:
+    """The worker's verdict on its device, shared by the job runner and the heartbeat threads."""
+
+    def __init__(self, fault_file: Path | None = None, max_probe_failures: int = MAX_PROBE_FAILURES) -> None:
+        self.fault_file = fault_file
+        self.max_probe_failures = max_probe_failures
+        self._lock = threading.Lock()
+        self._broken: str | None = None
+        self._probe_failures = 0
+
+    @property
+    def broken(self) -> str | None:
+        """Why this worker is out of service, or None while the device is usable."""
+        return self._broken
+
+    def job_failed(self, exc: BaseException) -> str | None:
+        """Classify a job's exception: the sticky device error it shows (the device is now broken), or None."""
+        reason = sticky_device_error(exc)
+        if reason:
+            self._mark_broken(reason)
+        return reason
+
+    def probe_failed(self, exc: BaseException) -> str | None:
+        """The device could not be described; broken after `max_probe_failures` in a row (or at
+        once for a sticky error). Returns the reason once broken."""
+        with self._lock:
+            self._probe_failures += 1
+            failures = self._probe_failures
+        reason = sticky_device_error(exc)
+        if reason is None and failures >= self.max_probe_failures:
+            reason = f"the device could not be read {failures} times in a row: {type(exc).__name__}: {exc}"[:500]
+        if reason:
+            self._mark_broken(reason)
+        return self._broken
+
+    def probe_ok(self) -> None:
+        with self._lock:
+            self._probe_failures = 0
+
+    def inject_fault(self) -> None:
+        """CPU twin (tests and `make chaos` only): if the fault file exists, consume it and raise
+        the CUDA error it holds, as a sticky error raised mid-step would. Off when unset."""
+        if self.fault_file is None:
+            return
+        try:
+            message = self.fault_file.read_text().strip() or DEFAULT_INJECTED_ERROR
+            self.fault_file.unlink()
+        except FileNotFoundError:
+            return
+        raise InjectedDeviceFault(message)
+
+    def _mark_broken(self, reason: str) -> None:
+        with self._lock:
+            if self._broken is None:
+                self._broken = reason
+                log.error("device out of service: %s", reason)

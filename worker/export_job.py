@@ -1,0 +1,249 @@
+"""An export job: a trained job's model as a file that runs without torchyard, checked before it is served.
+
+The file holds the network behind its normalisation (`ClassifierWithPreprocessing`): it takes a
+float32 N×C×H×W batch in [0, 1] at the trained size (the batch dimension is dynamic) and returns
+logits, so a user's code resizes, converts to RGB or L and scales by 1/255, and nothing else
+(docs/deploying-models.md). The class names and the input spec travel inside it (`MANIFEST`):
+TorchScript's `_extra_files["torchyard.json"]`, ONNX's `metadata_props` ("torchyard", "classes").
+
+Formats: TorchScript by `torch.jit.trace` (the networks have no data-dependent control flow);
+ONNX by the TorchDynamo-based `torch.onnx.export(..., dynamo=True)` at opset ONNX_OPSET, the
+exporter PyTorch keeps (the TorchScript-based one warns that it will be removed), on torch 2.6 and
+later. Both run on the CPU, whatever the worker's device: the file is for other hosts.
+
+Parity: before the job succeeds, the written file is loaded back (torch.jit.load, or an
+onnxruntime session) and run on a batch of real inputs (images of the job's own dataset, through
+the same transform as training and /predict; synthetic ones only when the dataset is gone) and on
+a batch of one; its probabilities must match the checkpoint's within PARITY_TOLERANCE, else the
+job fails with the measured difference. A worker that dies mid-export is retried like any job:
+the file is written atomically under the export job's own directory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from core.errors import NotFound
+from core.exports import UNAVAILABLE_PREFIX, ExportParams, export_path
+from core.schemas import CheckpointInfo, ExportFormat, Job, Progress
+from core.storage import atomic_path, sha256_file
+from worker.checkpoint import ModelMeta, load_model
+from worker.data import DatasetUnavailable, load_dataset
+from worker.job_context import JobContext, JobFailed, JobOutcome, StopJob
+
+log = logging.getLogger(__name__)
+
+MANIFEST_FORMAT = "torchyard.export/1"
+ONNX_OPSET = 18
+PARITY_TOLERANCE = 1e-4
+PARITY_INPUTS = 32  # images of the dataset, plus a few uniform-noise ones
+INPUT_NAME, OUTPUT_NAME = "input", "logits"
+_STEPS = 4  # load, build, write, check
+
+
+class ClassifierWithPreprocessing(nn.Module):
+    """The network with its normalisation in front: float32 N×C×H×W in [0, 1] → logits."""
+
+    def __init__(self, network: nn.Module, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        super().__init__()
+        self.network = network
+        shape = (1, len(mean), 1, 1)
+        self.mean: torch.Tensor
+        self.std: torch.Tensor
+        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(shape))
+        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(shape))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.network((x - self.mean) / self.std)
+
+
+def run_export_job(job: Job, ctx: JobContext) -> JobOutcome:
+    params = ExportParams.model_validate(job.params)
+    fmt = params.format
+    if fmt is ExportFormat.onnx:
+        _require_onnx(ctx)
+    progress = _Progress(ctx)
+    checkpoint = ctx.paths.final(params.source_job_id)
+    if not checkpoint.exists():
+        raise JobFailed(f"job {params.source_job_id} has no checkpoint on this worker's storage ({checkpoint})")
+    if sha256_file(checkpoint) != params.checkpoint_sha256:
+        raise JobFailed(f"the checkpoint of job {params.source_job_id} on this worker's storage is not the one "
+                        f"recorded (sha256 {params.checkpoint_sha256[:12]}…); export it again")
+    network, meta = load_model(checkpoint, "cpu")  # weights_only=True
+    model = ClassifierWithPreprocessing(network, meta.preprocessing.mean, meta.preprocessing.std).eval()
+    inputs, inputs_from = _parity_inputs(job, meta, ctx)
+    progress.step(1)
+    manifest = _manifest(job, params, meta)
+    # Written under this delivery's own directory; promoted to export_path(...) only if this
+    # delivery finishes the job succeeded (worker/job_context.py), so a stale one changes nothing.
+    target = ctx.output_path(export_path(ctx.paths, job.id, fmt).name)
+    with atomic_path(target) as tmp:
+        example = inputs[:2]
+        if fmt is ExportFormat.torchscript:
+            _write_torchscript(model, example, tmp, manifest)
+            progress.step(2)
+            run = _torchscript_runner(tmp)
+        else:
+            _write_onnx(model, example, tmp, manifest)
+            progress.step(2)
+            run = _onnx_runner(tmp)
+        difference = _parity(model, run, inputs)
+        progress.step(3)
+        record = {"max_abs_probability_difference": difference, "tolerance": PARITY_TOLERANCE,
+                  "inputs": len(inputs), "inputs_from": inputs_from}
+        ctx.set_params({**job.params, "parity": record})
+        if not difference <= PARITY_TOLERANCE:  # NaN fails too
+            raise JobFailed(f"parity check failed: the {fmt.value} export and the checkpoint differ by up to "
+                            f"{difference:.3g} in probability on {len(inputs)} inputs ({inputs_from}); the "
+                            f"tolerance is {PARITY_TOLERANCE:g}")
+    progress.step(4)
+    log.info("job %s: exported job %s as %s (%d bytes), parity %.2g on %d inputs", job.id, params.source_job_id,
+             fmt.value, target.stat().st_size, difference, len(inputs))
+    return JobOutcome(checkpoint=CheckpointInfo(url=f"/jobs/{params.source_job_id}/export?format={fmt.value}",
+                                                sha256=sha256_file(target), bytes=target.stat().st_size))
+
+
+# ---------------------------------------------------------------------- what travels with the file
+def _manifest(job: Job, params: ExportParams, meta: ModelMeta) -> dict[str, Any]:
+    pre = meta.preprocessing
+    manifest: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "job_id": params.source_job_id,
+        "export_job_id": job.id,
+        "architecture": meta.architecture,
+        "classes": meta.classes,
+        "input": {"name": INPUT_NAME, "dtype": "float32", "layout": "NCHW", "shape": [None, pre.channels, pre.height,
+                                                                                      pre.width],
+                  "range": [0.0, 1.0], "color": "L" if pre.channels == 1 else "RGB",
+                  "resize": {"width": pre.width, "height": pre.height, "resample": "bilinear",
+                             # pretrained weights' transform: shorter side to this, then a centre crop
+                             "shorter_side": pre.resize_size, "center_crop": pre.resize_size is not None}},
+        "output": {"name": OUTPUT_NAME, "shape": [None, meta.num_classes], "kind": "logits (softmax not applied)"},
+        "normalization": {"mean": list(pre.mean), "std": list(pre.std), "inside_the_graph": True},
+        "preprocessing": pre.transform.replace("→ (x - mean[c]) / std[c] per channel", "(mean/std: inside the graph)"),
+        "checkpoint_sha256": params.checkpoint_sha256,
+        "torch_version": str(torch.__version__),
+        "parity_tolerance": PARITY_TOLERANCE,
+    }
+    if params.format is ExportFormat.onnx:
+        manifest["onnx_opset"] = ONNX_OPSET
+    return manifest
+
+
+# ---------------------------------------------------------------------- formats
+def _write_torchscript(model: nn.Module, example: torch.Tensor, path: Path, manifest: dict[str, Any]) -> None:
+    with warnings.catch_warnings():
+        # torch.jit is deprecated in favour of torch.export, yet TorchScript is still what C++ (libtorch),
+        # TorchServe and plain `torch.jit.load` run; its FutureWarnings say nothing about this file.
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        with torch.no_grad():
+            traced = torch.jit.trace(model, example, check_trace=False)
+        torch.jit.save(traced, str(path), _extra_files={"torchyard.json": json.dumps(manifest)})
+
+
+def _torchscript_runner(path: Path) -> Callable[[np.ndarray], np.ndarray]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        loaded = torch.jit.load(str(path), map_location="cpu")
+    loaded.eval()
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return loaded(torch.from_numpy(batch)).numpy()
+
+    return run
+
+
+def _require_onnx(ctx: JobContext) -> None:
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+        import onnxscript  # noqa: F401  (the dynamo exporter translates to ONNX through it)
+    except ImportError as exc:
+        raise JobFailed(f"{UNAVAILABLE_PREFIX}{exc.name or 'onnx'} is not installed on worker "
+                        f"{ctx.device.worker_name}; install the export extra (pip install 'torchyard[export]')") from exc
+
+
+def _write_onnx(model: nn.Module, example: torch.Tensor, path: Path, manifest: dict[str, Any]) -> None:
+    import onnx
+
+    batch = torch.export.Dim("batch", min=1, max=65536)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model, (example,), str(path), dynamo=True, opset_version=ONNX_OPSET,
+                          input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                          dynamic_shapes={"x": {0: batch}}, external_data=False, verbose=False)
+    proto = onnx.load(str(path))
+    onnx.helper.set_model_props(proto, {"torchyard": json.dumps(manifest), "classes": json.dumps(manifest["classes"])})
+    onnx.checker.check_model(proto)
+    onnx.save(proto, str(path))
+
+
+def _onnx_runner(path: Path) -> Callable[[np.ndarray], np.ndarray]:
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = 1  # a check, not a benchmark: leave the cores to inference and training
+    session = onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+    def run(batch: np.ndarray) -> np.ndarray:
+        return session.run([OUTPUT_NAME], {INPUT_NAME: batch})[0]
+
+    return run
+
+
+# ---------------------------------------------------------------------- parity
+def _parity_inputs(job: Job, meta: ModelMeta, ctx: JobContext) -> tuple[torch.Tensor, str]:
+    """Float32 N×C×H×W in [0, 1]: images of the job's dataset (as training saw them), plus noise."""
+    pre = meta.preprocessing
+    gen = torch.Generator().manual_seed(0)
+    noise = torch.rand(4, pre.channels, pre.height, pre.width, generator=gen)
+    try:
+        record = ctx.catalog.get(job.dataset)
+        data = load_dataset(record, ctx.settings, pre.channels, pre.height, pre.width, resize_size=pre.resize_size)
+    except (NotFound, DatasetUnavailable) as exc:
+        log.warning("job %s: dataset %s unavailable (%s); parity on synthetic inputs", job.id, job.dataset, exc)
+        synthetic = torch.rand(PARITY_INPUTS, pre.channels, pre.height, pre.width, generator=gen)
+        return torch.cat([synthetic, noise]), f"synthetic: dataset {job.dataset} is unavailable"
+    picks = torch.linspace(0, len(data.images) - 1, min(PARITY_INPUTS, len(data.images))).long()
+    images = data.images[picks].float().div_(255.0)
+    return torch.cat([images, noise]), f"{len(picks)} images of dataset {job.dataset} and {len(noise)} of noise"
+
+
+def _parity(model: nn.Module, run: Callable[[np.ndarray], np.ndarray], inputs: torch.Tensor) -> float:
+    """Largest |p_export - p_checkpoint| over the batch, and over a batch of one (the batch dimension is dynamic)."""
+    with torch.no_grad():
+        expected = torch.softmax(model(inputs), dim=1).numpy()
+    batch = inputs.numpy().astype(np.float32)
+    got = _softmax(run(batch))
+    single = _softmax(run(batch[:1]))
+    return float(max(np.abs(got - expected).max(), np.abs(single - expected[:1]).max()))
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return shifted / shifted.sum(axis=1, keepdims=True)
+
+
+class _Progress:
+    """Steps of the export as the job's progress, and the stop check between them."""
+
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx = ctx
+
+    def step(self, done: int) -> None:
+        reason = self.ctx.should_stop()
+        if reason:
+            raise StopJob(reason)
+        self.ctx.reporter.progress(Progress(epoch=0, epochs=0, step=done, steps=_STEPS))

@@ -1,0 +1,141 @@
+"""A worker process: one device, its heartbeat and inference threads, and a solo-pool Celery
+consumer for training jobs.
+
+Why the solo pool. The task runs in this process, on its main thread, in the same CUDA context
+as the inference thread: one context per GPU (each costs hundreds of MiB), and models resident
+for /predict stay shared. A prefork pool would run jobs in forked children instead, and it is
+unsafe here: the heartbeat and inference threads initialise CUDA in the parent, CUDA does not
+survive fork ("Cannot re-initialize CUDA in forked subprocess"), and Celery re-forks children at
+any time (a child died, max-tasks-per-child). A device trains one job at a time anyway, so
+concurrency 1 loses nothing; with acks_late and prefetch multiplier 1 the worker holds no second
+job while it trains, so an `auto` job goes to an idle worker instead of queueing behind a busy one.
+
+The price: while a task runs, the main thread answers no Celery ping or remote control. Liveness
+therefore comes from the heartbeat thread (GET /devices), and shutdown from a flag: SIGTERM sets
+`state.shutdown`, which the trainer checks every step, so the job stops, checkpoints and requeues.
+
+A sticky device error (worker/device_health.py) takes the worker out of service the same way: the
+job in hand is requeued, the inference thread stops, the process sends itself SIGTERM (Celery's
+warm shutdown: no further message is taken) and exits with `EXIT_OUT_OF_SERVICE`, so that its
+supervisor starts a fresh process, with a fresh CUDA context.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import threading
+from dataclasses import dataclass
+
+from core.config import Settings
+from core.datasets import DatasetCatalog
+from core.devices import DeviceRegistry
+from core.jobs import JobStore
+from core.queue import TRAIN_QUEUE, queue_for_device
+from core.redis import connect
+from core.storage import CheckpointPaths
+from worker.device import WorkerDevice
+from worker.job_runner import JobRunner
+from worker.state import WorkerState
+
+log = logging.getLogger(__name__)
+
+# The exit status of a worker whose device broke: its supervisor restarts it (any non-zero status).
+EXIT_OUT_OF_SERVICE = 3
+
+_current: WorkerRuntime | None = None
+
+
+def current_runtime() -> WorkerRuntime:
+    if _current is None:
+        raise RuntimeError("no worker runtime in this process (tasks run inside `torchyard worker`)")
+    return _current
+
+
+@dataclass
+class WorkerRuntime:
+    settings: Settings
+    device: WorkerDevice
+    runner: JobRunner
+
+    def queues(self) -> list[str]:
+        return [TRAIN_QUEUE, queue_for_device(self.device.kind), queue_for_device(self.device.id)]
+
+
+def run_worker(settings: Settings, device: WorkerDevice) -> int:
+    """Serve until SIGTERM/SIGINT; the job in hand is stopped at its next step and requeued."""
+    global _current
+    import torch  # after pinning: the caller set CUDA_VISIBLE_DEVICES before this import
+    from celery.signals import worker_shutting_down
+
+    from core.queue import create_celery, dispatcher
+    from worker.device import check_cuda
+    from worker.device_health import DeviceHealth
+    from worker.heartbeat import Heartbeat, Sweeper
+    from worker.inference import InferenceServer
+    from worker.model_cache import ModelCache
+
+    check_cuda(device)
+    client = connect(settings.resolved_redis_url())
+    celery = create_celery(settings, with_tasks=True)
+    store = JobStore(client, dispatcher(celery), lease_ttl_s=settings.lease_ttl_s,
+                     max_attempts=settings.max_attempts, dispatch_grace_s=settings.dispatch_grace_s)
+    registry = DeviceRegistry(client, settings.heartbeat_ttl_s)
+    instance = secrets.token_hex(8)
+    registry.acquire(device.id, instance, holder_is_dead=lambda holder: _crashed_here(holder, device))
+
+    state = WorkerState()
+    paths = CheckpointPaths(settings.checkpoints_dir)
+    health = DeviceHealth(settings.device_fault_file)
+    cache = ModelCache(paths, device.torch_device, settings.model_cache_count, settings.model_cache_bytes)
+    inference = InferenceServer(client, device, cache, max_batch=settings.predict_max_batch,
+                                max_wait_ms=settings.predict_max_wait_ms, max_pixels=settings.max_image_pixels,
+                                cpu_threads=settings.predict_cpu_threads)
+    out_of_service_once = threading.Lock()
+
+    def take_out_of_service(reason: str) -> None:
+        """Stop serving on a broken device; the warm shutdown lets the job in hand requeue itself."""
+        state.out_of_service.set()
+        if not out_of_service_once.acquire(blocking=False):
+            return
+        log.error("taking %s out of service: %s; exiting for a fresh process", device.id, reason)
+        inference.stop()
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    heartbeat = Heartbeat(device, instance, registry, store, state, cache.resident, settings.heartbeat_interval_s,
+                          inference_stats=inference.stats.as_dict,
+                          sweeper=Sweeper(store, paths, instance, settings.lease_ttl_s), health=health,
+                          take_out_of_service=take_out_of_service)
+    runner = JobRunner(settings, device, store, DatasetCatalog(client, settings, store), state, health=health,
+                       instance=instance, take_out_of_service=take_out_of_service)
+    _current = WorkerRuntime(settings, device, runner)
+
+    worker_shutting_down.connect(lambda **_: state.shutdown.set(), weak=False)
+    heartbeat.beat()
+    heartbeat.start()
+    inference.start()
+    log.info("worker %s on %s (torch %s, CUDA_VISIBLE_DEVICES=%r)", device.worker_name, device.id,
+             torch.__version__, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    worker = celery.Worker(hostname=device.worker_name, pool="solo", concurrency=1,
+                           queues=_current.queues(), without_gossip=True, without_mingle=True,
+                           optimization="fair", loglevel="INFO")
+    try:
+        worker.start()
+    finally:
+        state.shutdown.set()
+        inference.stop()
+        heartbeat.stop()
+        _current = None
+    if state.out_of_service.is_set():
+        return EXIT_OUT_OF_SERVICE
+    return worker.exitcode or 0
+
+
+def _crashed_here(holder: dict, device: WorkerDevice) -> bool:
+    """The holder was a worker for this device on this host whose process no longer exists."""
+    import psutil
+
+    pid = holder.get("pid")
+    return holder.get("worker") == device.worker_name and isinstance(pid, int) and not psutil.pid_exists(pid)

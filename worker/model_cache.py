@@ -1,0 +1,103 @@
+"""Checkpoints resident on a worker's device for /predict: an LRU bounded by count and bytes.
+
+Loading a checkpoint costs a file read and a host-to-device copy (tens of ms for a resnet18), so
+each worker keeps the models it served; a job whose model.pt was rewritten is noticed by the
+file's (mtime, size) and loaded again. Counters go out with the heartbeat (GET /devices →
+`inference.cache`), so loads, reloads and evictions can be observed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.storage import CheckpointPaths
+from worker.checkpoint import CheckpointError, ModelMeta, load_model
+from worker.preprocess import stats_tensors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ResidentModel:
+    model: torch.nn.Module
+    meta: ModelMeta
+    mean: torch.Tensor
+    std: torch.Tensor
+    signature: tuple[int, int]  # (mtime_ns, size) of the file it came from
+    nbytes: int
+
+
+class ModelCache:
+    """Checkpoints resident on the device, least recently used evicted past count or bytes.
+
+    A checkpoint file that changed (a job's model.pt rewritten) is noticed by its (mtime, size)
+    signature on the next request and loaded again. Counters are published in the heartbeat
+    (`inference.cache` in GET /devices) so loads, reloads and evictions can be observed."""
+
+    def __init__(self, paths: CheckpointPaths, device: str | torch.device, max_count: int, max_bytes: int) -> None:
+        self.paths = paths
+        self.device = device
+        self.max_count = max_count
+        self.max_bytes = max_bytes
+        self._models: OrderedDict[str, ResidentModel] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.loads = 0
+        self.reloads = 0
+        self.evictions = 0
+
+    def get(self, job_id: str) -> ResidentModel:
+        path = self.paths.final(job_id)
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            raise CheckpointError(f"job {job_id} has no checkpoint on this worker's storage ({path})") from None
+        signature = (stat.st_mtime_ns, stat.st_size)
+        with self._lock:
+            entry = self._models.get(job_id)
+            if entry is not None and entry.signature == signature:
+                self._models.move_to_end(job_id)
+                self.hits += 1
+                return entry
+        stale = entry is not None
+        entry = self._load(path, signature)
+        with self._lock:
+            self._models[job_id] = entry
+            self._models.move_to_end(job_id)
+            self.loads += 1
+            self.reloads += stale
+            self._evict()
+        log.info("%s model of job %s (%s, %.1f MB) onto %s", "reloaded changed" if stale else "loaded",
+                 job_id, entry.meta.architecture, entry.nbytes / 1e6, self.device)
+        return entry
+
+    def _load(self, path: Path, signature: tuple[int, int]) -> ResidentModel:
+        model, meta = load_model(path, self.device)  # torch.load(weights_only=True, map_location=device)
+        mean, std = stats_tensors(meta.preprocessing, self.device)
+        nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+        return ResidentModel(model, meta, mean, std, signature, nbytes)
+
+    def _evict(self) -> None:
+        while len(self._models) > 1 and (
+            len(self._models) > self.max_count or sum(m.nbytes for m in self._models.values()) > self.max_bytes
+        ):
+            evicted, _ = self._models.popitem(last=False)
+            self.evictions += 1
+            log.info("evicted model of job %s from the device cache", evicted)
+
+    def resident(self) -> list[str]:
+        with self._lock:
+            return list(self._models)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"resident": len(self._models), "resident_bytes": sum(m.nbytes for m in self._models.values()),
+                    "max_count": self.max_count, "max_bytes": self.max_bytes, "hits": self.hits,
+                    "loads": self.loads, "reloads": self.reloads, "evictions": self.evictions}
