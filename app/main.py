@@ -58,7 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   openapi_url=None, description="Train and serve PyTorch image classifiers on your GPUs.")
     install_error_handlers(app)
     # Host, Origin, API key, body size, content type and body rate, on the headers, before routing.
-    app.add_middleware(FrontGate, settings=settings)
+    app.add_middleware(FrontGate, settings=settings, direct=predict.DIRECT)
     metrics.install_metrics(app)  # outermost: counts every request, the refused ones too
     app.include_router(health.router)
     dashboard.install_dashboard(app)  # `/` and /static: no data in them, so no key needed

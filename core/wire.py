@@ -7,8 +7,11 @@ API waits on a one-off reply list. Both directions are encoded and decoded only 
 - Request, API → `ty:predict:<device id>` (RPUSH): a `PredictRequest` as JSON, images in
   base64. `queued_at` opens the worker's batching window; a request past its `deadline` is
   not computed (its caller has given up).
-- Reply, worker → `request.reply_to` (RPUSH, short TTL): ``"<status> <json body>"``. For 200
-  the body is the `PredictResponse` itself, so the API passes it through without re-encoding;
+- Reply, worker → `request.reply_to` (RPUSH, short TTL): ``"<request_id> <status> <json body>"``.
+  `reply_to` is the inbox of the API process that sent it, one list per process read by one
+  listener there (app/api/reply_inbox.py), so a request costs the API one Redis call, not a
+  BLPOP of its own, and the worker answers a whole batch's requests to one API in one RPUSH. For
+  200 the body is the `PredictResponse` itself, so the API passes it through without re-encoding;
   any other status carries `{"detail": ...}` and maps to the error of the same HTTP status.
 - Warm, API → the same list: ``"warm <json>"`` (`WarmRequest`), answered on its `reply_to` like a
   prediction once the job's model is resident on the device (200 `WarmedModel`), or with the
@@ -57,7 +60,8 @@ class PredictRequest(BaseModel):
 
     job_id: str
     top_k: int = Field(ge=1)
-    reply_to: str
+    reply_to: str = Field(description="The sending API process's inbox list.")
+    request_id: str = Field(description="Names the reply in that inbox.")
     queued_at: float = Field(description="When the API queued it (epoch s): opens the batching window.")
     deadline: float = Field(description="Epoch s after which the caller no longer waits.")
     images: list[WireImage] = Field(min_length=1)
@@ -93,6 +97,7 @@ class PredictReply:
         return cls(status, PredictErrorBody(detail=detail).model_dump_json())
 
     def encode(self) -> str:
+        """For a one-off reply list (a warm request's)."""
         return f"{self.status} {self.body}"
 
     @classmethod
@@ -101,6 +106,17 @@ class PredictReply:
         if not code.isdigit():
             raise MalformedMessage(f"not a prediction reply: {raw[:80]!r}")
         return cls(int(code), body)
+
+    def encode_to(self, request_id: str) -> str:
+        """For an API process's inbox: addressed to one of its waiting requests."""
+        return f"{request_id} {self.status} {self.body}"
+
+    @classmethod
+    def decode_addressed(cls, raw: str) -> tuple[str, PredictReply]:
+        request_id, _, rest = raw.partition(" ")
+        if not request_id or not rest:
+            raise MalformedMessage(f"not an addressed prediction reply: {raw[:80]!r}")
+        return request_id, cls.decode(rest)
 
     def raise_for_status(self) -> None:
         """The error this reply stands for (its `detail` kept), or nothing for a 200."""

@@ -1,16 +1,18 @@
-"""Predictions on the worker's device: resident models, dynamic batching, its own thread.
+"""Predictions on the worker's device: resident models, dynamic batching, threads of their own.
 
-Inference has its own consumer, a Redis list per device, read by a thread of the worker, so a
+Inference has its own consumer, a Redis list per device, read by threads of the worker, so a
 device that is training still answers: the training task holds Celery's only slot, and on a
-GPU inference runs on a separate CUDA stream, so it waits for at most the kernels already
-queued, not for the job.
+GPU inference runs on a separate, high-priority CUDA stream, so it waits for at most the
+kernels already queued, not for the job.
 
-Batching: requests for the same model that arrive within `max_wait_ms` of the first one (timed
-from when the API queued it) run as one batch of at most `max_batch` images. The window is only
-opened when traffic says it can fill: a lone request on a quiet device (the previous batch held
-one image and the previous request came more than `max_wait_ms` earlier) runs at once, since
-waiting would only add latency. Under load, requests also pile up while a batch computes and the
-next batch takes them all.
+Three stages, so that the thread that feeds the device does nothing else:
+- the intake thread takes requests off the list, decides when a batch is complete
+  (worker/batching.BatchWindow) and has its images decoded by the decode pool, in parallel;
+- the device thread (`torchyard-inference`) stacks the ready arrays into a staging buffer,
+  copies them to the device (pinned, asynchronous, padded to a bucketed size on a GPU: see
+  worker/batching.py) and runs the forward;
+- the decode pool also turns the probabilities into replies and sends them, one RPUSH per API
+  process (its inbox), while the device computes the next batch.
 
 The messages themselves (request, reply, statuses) are core/wire.py's; the resident models are
 worker/model_cache.py's.
@@ -22,9 +24,13 @@ import gc
 import io
 import logging
 import os
+import queue
 import threading
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -43,6 +49,7 @@ from core.wire import (
     WarmedModel,
     WarmRequest,
 )
+from worker.batching import BatchWindow, HostStaging, bucket_size
 from worker.checkpoint import CheckpointError, ModelMeta
 from worker.device import WorkerDevice
 from worker.model_cache import ModelCache, ResidentModel
@@ -50,7 +57,9 @@ from worker.preprocess import apply_preprocessing, normalize
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.0002
+POLL_S = 0.001  # the longest sleep between two polls of the list while a batch fills
+POLL_MIN_S = 0.0002  # while the device is busy
+HIGH_PRIORITY = -1  # torch.cuda.Stream: lower is higher; out-of-range values clamp to the highest
 
 
 class BadImage(Exception):
@@ -104,60 +113,91 @@ def decode_image(data: bytes, meta: ModelMeta, max_pixels: int) -> np.ndarray:
         raise BadImage(f"cannot decode image: {exc}") from exc
 
 
-class InferenceServer(threading.Thread):
+@dataclass
+class PreparedGroup:
+    """One model's share of a batch, decoded and ready for the device thread."""
+
+    job_id: str
+    entry: ResidentModel
+    arrays: list[np.ndarray] = field(default_factory=list)
+    owners: list[tuple[PredictRequest, int]] = field(default_factory=list)  # request, index of its first image
+
+
+class InferenceServer:
     def __init__(self, client: redis.Redis, device: WorkerDevice, cache: ModelCache, *, max_batch: int,
-                 max_wait_ms: float, max_pixels: int, cpu_threads: int | None = None) -> None:
-        super().__init__(name="torchyard-inference", daemon=True)
+                 max_wait_ms: float, max_pixels: int, cpu_threads: int | None = None,
+                 decode_threads: int | None = None, pad_to_buckets: bool | None = None) -> None:
         self.redis = client
         self.device = device
         self.cache = cache
         self.max_batch = max_batch
-        self.max_wait_s = max_wait_ms / 1000
         self.max_pixels = max_pixels
         self.cpu_threads = cpu_threads or max(1, (os.cpu_count() or 1) // 2)
+        self.decode_threads = decode_threads or min(4, os.cpu_count() or 1)
+        # Padding to bucketed sizes pays on a GPU (cuDNN tunes per shape) and costs on a CPU; the
+        # tests turn it on for the CPU to run the same path.
+        self.pad_to_buckets = device.kind == "cuda" if pad_to_buckets is None else pad_to_buckets
         if device.kind == "cpu":
             # Pin the calling (main, training) thread's own OpenMP thread count now: torch gives a
             # thread that has not run a parallel op yet the count last set by *any* thread, and the
-            # inference thread is about to set a smaller one for itself.
+            # device thread is about to set a smaller one for itself.
             torch.get_num_threads()
         self.queue = keys.predict_queue(device.id)
         self.stats = InferenceStats(cache)
+        self.window = BatchWindow(max_batch, max_wait_ms / 1000)
         self._halt = threading.Event()
+        self._ready: queue.Queue[list[PreparedGroup]] = queue.Queue(maxsize=1)
+        self._device_busy = threading.Event()
+        self._device_free_at = 0.0  # epoch s: when the device thread last finished a batch
+        self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="torchyard-decode")
         self._stream: Any = None
-        self._last_arrival = 0.0  # when the API queued the latest request seen (epoch s)
-        self._last_batch = 0  # images in the latest batch collected
+        self._staging: HostStaging | None = None
         self._warms: list[WarmRequest] = []  # taken off the list with the requests, served after them
+        self._threads = [threading.Thread(target=self._intake_loop, name="torchyard-intake", daemon=True),
+                         threading.Thread(target=self._device_loop, name="torchyard-inference", daemon=True)]
 
-    def run(self) -> None:
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        for thread in self._threads:
+            thread.join(timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ intake thread
+    def _intake_loop(self) -> None:
         # The worker's imports, Celery and torch state live as long as the process: keep them out
         # of the collector's full passes, which scanned them all and stalled a batch ~200 ms each.
         gc.freeze()
-        if self.device.kind == "cuda":
-            self._stream = torch.cuda.Stream()
-        else:
-            # On a CPU device, inference ops run on part of the cores and leave the rest to the API,
-            # Redis and training: small batches gain little from more threads, and threads that
-            # must meet at every op stall whenever one of them is preempted.
-            torch.set_num_threads(self.cpu_threads)
         while not self._halt.is_set():
             try:
                 requests = self._collect()
                 if requests:
-                    self._serve(requests)
+                    groups = self._prepare(requests)
+                    if groups:
+                        self._hand_over(groups)
                 if self._warms:
                     self._serve_warms()
             except redis.RedisError:
                 log.warning("inference: Redis unavailable; retrying", exc_info=True)
                 self._halt.wait(0.5)
             except Exception:
-                log.exception("inference loop error")
+                log.exception("inference intake error")
 
-    def stop(self) -> None:
-        self._halt.set()
+    def _hand_over(self, groups: list[PreparedGroup]) -> None:
+        while not self._halt.is_set():
+            try:
+                self._ready.put(groups, timeout=0.5)
+                return
+            except queue.Full:
+                continue
 
-    # ------------------------------------------------------------------ batching
     def _collect(self) -> list[PredictRequest]:
-        """Block for a first request, take what is queued, then maybe wait out the batching window."""
+        """Block for a first request, then take what comes until the window says the batch is complete."""
         first = self.redis.blpop([self.queue], timeout=1)
         if first is None:
             return []
@@ -166,24 +206,24 @@ class InferenceServer(threading.Thread):
         if not requests:
             return []
         if images < self.max_batch:
-            images += self._add(requests, self.redis.lpop(self.queue, self.max_batch) or [])
-        if images < self.max_batch and self._worth_waiting(requests):
-            # The window is timed from when the API queued the first request, not from now.
-            remaining = requests[0].queued_at + self.max_wait_s - time.time()
-            deadline = time.monotonic() + min(max(remaining, 0.0), self.max_wait_s)
-            # Poll rather than BLPOP: Redis enforces blocking timeouts only every 1/hz (100 ms by
-            # default), far coarser than a batching window of a few milliseconds.
-            while images < self.max_batch and time.monotonic() < deadline:
-                time.sleep(POLL_S)
-                images += self._add(requests, self.redis.lpop(self.queue, self.max_batch) or [])
-        self._last_batch = images
-        self._last_arrival = max(r.queued_at for r in requests)
+            images += self._add(requests, self.redis.lpop(self.queue, self.max_batch - images) or [])
+        # Poll rather than BLPOP: an idle Redis wakes for blocking timeouts only every 1/hz (100 ms
+        # by default), far coarser than a batching window of a few milliseconds. Each poll is a
+        # Redis call for the worker and for Redis: at most one a millisecond.
+        first_queued_at = requests[0].queued_at
+        while True:
+            busy = self._busy()
+            opened_at = max(first_queued_at, self._device_free_at)
+            if self.window.ready(images, opened_at, now := time.time(), busy):
+                break
+            time.sleep(POLL_MIN_S if busy else min(POLL_S, max(POLL_MIN_S, self.window.deadline(opened_at) - now)))
+            images += self._add(requests, self.redis.lpop(self.queue, self.max_batch - images) or [])
+        self.window.observe(images)
         return requests
 
-    def _worth_waiting(self, requests: list[PredictRequest]) -> bool:
-        if len(requests) > 1 or self._last_batch > 1:
-            return True
-        return requests[0].queued_at - self._last_arrival < self.max_wait_s
+    def _busy(self) -> bool:
+        """The device is computing, or a batch already waits for it."""
+        return self._device_busy.is_set() or not self._ready.empty()
 
     def _add(self, requests: list[PredictRequest], raw: list[str]) -> int:
         images = 0
@@ -203,72 +243,111 @@ class InferenceServer(threading.Thread):
             requests.append(request)
         return images
 
-    def _serve(self, requests: list[PredictRequest]) -> None:
+    def _prepare(self, requests: list[PredictRequest]) -> list[PreparedGroup]:
+        """Group by model, decode every image in the pool, answer the requests that cannot run."""
         now = time.time()
         by_job: dict[str, list[PredictRequest]] = defaultdict(list)
         for request in requests:
-            if request.deadline < now:
-                continue  # the caller has given up already
-            by_job[request.job_id].append(request)
+            if request.deadline >= now:  # else the caller has given up already
+                by_job[request.job_id].append(request)
+        groups = []
         for job_id, group in by_job.items():
             try:
-                self._serve_model(job_id, group)
+                entry = self.cache.get(job_id)
+            except CheckpointError as exc:
+                self._reply_errors(group, 409, str(exc))
+                continue
             except Exception as exc:  # a failure answers its callers and never stops the thread
                 self.stats.errors += 1
-                log.exception("inference for job %s failed", job_id)
-                for request in group:
-                    self._reply_error(request, 503, f"inference failed on {self.device.id}: {exc}")
-
-    def _serve_model(self, job_id: str, group: list[PredictRequest]) -> None:
-        try:
-            entry = self.cache.get(job_id)
-        except CheckpointError as exc:
+                log.exception("loading the model of job %s failed", job_id)
+                self._reply_errors(group, 503, f"inference failed on {self.device.id}: {exc}")
+                continue
+            data = [image.data for request in group for image in request.images]
+            decoded = list(self._pool.map(_decode_or_error, data, repeat(entry.meta), repeat(self.max_pixels)))
+            prepared = PreparedGroup(job_id, entry)
+            at = 0
             for request in group:
-                self._reply_error(request, 409, str(exc))
+                mine = decoded[at:at + len(request.images)]
+                at += len(request.images)
+                failure = next(((image, d) for image, d in zip(request.images, mine, strict=True)
+                                if isinstance(d, BadImage)), None)
+                if failure is not None:  # the whole request is refused, naming the file at fault
+                    image, bad = failure
+                    self._reply_errors([request], bad.status, f"{image.filename or 'image'}: {bad}")
+                    continue
+                prepared.owners.append((request, len(prepared.arrays)))
+                prepared.arrays.extend(d for d in mine if isinstance(d, np.ndarray))
+            if prepared.arrays:
+                groups.append(prepared)
+        return groups
+
+    # ------------------------------------------------------------------ device thread
+    def _device_loop(self) -> None:
+        if self.device.kind == "cuda":
+            self._stream = torch.cuda.Stream(priority=HIGH_PRIORITY)
+        else:
+            # On a CPU device, inference ops run on part of the cores and leave the rest to the API,
+            # Redis and training: small batches gain little from more threads, and threads that
+            # must meet at every op stall whenever one of them is preempted.
+            torch.set_num_threads(self.cpu_threads)
+        self._staging = HostStaging(torch.device(self.device.torch_device), self.max_batch, pinned=self.device.kind == "cuda")
+        while not self._halt.is_set():
+            try:
+                groups = self._ready.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self._device_busy.set()
+            try:
+                for group in groups:
+                    self._run(group)
+            finally:
+                self._device_free_at = time.time()
+                self._device_busy.clear()
+
+    def _run(self, group: PreparedGroup) -> None:
+        try:
+            probabilities = torch.cat([self._forward(group.entry, group.arrays[i:i + self.max_batch])
+                                       for i in range(0, len(group.arrays), self.max_batch)])
+        except Exception as exc:  # a failure answers its callers and never stops the thread
+            self.stats.errors += 1
+            log.exception("inference for job %s failed", group.job_id)
+            self._reply_errors([r for r, _ in group.owners], 503, f"inference failed on {self.device.id}: {exc}")
             return
-        arrays: list[np.ndarray] = []
-        owners: list[tuple[PredictRequest, int]] = []  # request, index of its first image
-        for request in group:
-            decoded = []
-            for image in request.images:
-                try:
-                    decoded.append(decode_image(image.data, entry.meta, self.max_pixels))
-                except BadImage as exc:  # the whole request is refused, naming the file at fault
-                    self._reply_error(request, exc.status, f"{image.filename or 'image'}: {exc}")
-                    break
-            else:
-                owners.append((request, len(arrays)))
-                arrays.extend(decoded)
-        if not arrays:
-            return
-        probabilities = torch.cat([self._forward(entry, arrays[i:i + self.max_batch])
-                                   for i in range(0, len(arrays), self.max_batch)])
-        classes = entry.meta.classes
-        pipe = self.redis.pipeline(transaction=False)
-        for request, begin in owners:
-            top_k = min(request.top_k, entry.meta.num_classes)
-            values, indices = probabilities[begin:begin + len(request.images)].topk(top_k, dim=1)
-            results = [ImagePredictions(filename=image.filename, predictions=[
-                Prediction(label=classes[i], index=i, probability=p) for p, i in zip(ps, ix, strict=True)])
-                for image, ps, ix in zip(request.images, values.tolist(), indices.tolist(), strict=True)]
-            response = PredictResponse(job_id=job_id, model=entry.meta.architecture, device=self.device.id,
-                                       results=results)
-            self._queue_reply(pipe, request, PredictReply.ok(response))
-        pipe.execute()
+        self._pool.submit(self._send_results, group, probabilities)
 
     def _forward(self, entry: ResidentModel, arrays: list[np.ndarray]) -> torch.Tensor:
-        batch = torch.from_numpy(np.stack(arrays))
+        """Probabilities (on the host) of `arrays`, padded to a bucketed size where that pays."""
+        assert self._staging is not None
+        rows = bucket_size(len(arrays), self.max_batch) if self.pad_to_buckets else len(arrays)
         with torch.inference_mode():
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    x = normalize(batch.pin_memory().to(self.device.torch_device, non_blocking=True),
-                                  entry.mean, entry.std)
-                    out = torch.softmax(entry.model(x).float(), dim=1).cpu()
+                    x = normalize(self._staging.upload(arrays, rows), entry.mean, entry.std)
+                    out = torch.softmax(entry.model(x).float(), dim=1)[:len(arrays)].cpu()
             else:
-                x = normalize(batch, entry.mean, entry.std)
-                out = torch.softmax(entry.model(x).float(), dim=1)
+                x = normalize(self._staging.upload(arrays, rows), entry.mean, entry.std)
+                out = torch.softmax(entry.model(x).float(), dim=1)[:len(arrays)]
         self.stats.record(len(arrays))
         return out
+
+    # ------------------------------------------------------------------ replies (decode pool)
+    def _send_results(self, group: PreparedGroup, probabilities: torch.Tensor) -> None:
+        try:
+            meta = group.entry.meta
+            classes = meta.classes
+            replies: dict[str, list[str]] = defaultdict(list)  # by inbox: one RPUSH per API process
+            for request, begin in group.owners:
+                top_k = min(request.top_k, meta.num_classes)
+                values, indices = probabilities[begin:begin + len(request.images)].topk(top_k, dim=1)
+                results = [ImagePredictions(filename=image.filename, predictions=[
+                    Prediction(label=classes[i], index=i, probability=p) for p, i in zip(ps, ix, strict=True)])
+                    for image, ps, ix in zip(request.images, values.tolist(), indices.tolist(), strict=True)]
+                response = PredictResponse(job_id=group.job_id, model=meta.architecture, device=self.device.id,
+                                           results=results)
+                replies[request.reply_to].append(PredictReply.ok(response).encode_to(request.request_id))
+            self._send_replies(replies)
+        except Exception:
+            log.exception("answering predictions of job %s failed", group.job_id)
 
     def _serve_warms(self) -> None:
         """Load each warmed job's model (an alias is about to move to it) and say when it is resident."""
@@ -292,12 +371,22 @@ class InferenceServer(threading.Thread):
             pipe.expire(warm.reply_to, REPLY_TTL_S)
             pipe.execute()
 
-    @staticmethod
-    def _queue_reply(pipe: Any, request: PredictRequest, reply: PredictReply) -> None:
-        pipe.rpush(request.reply_to, reply.encode())
-        pipe.expire(request.reply_to, REPLY_TTL_S)
-
-    def _reply_error(self, request: PredictRequest, status: int, detail: str) -> None:
+    def _send_replies(self, replies: dict[str, list[str]]) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        self._queue_reply(pipe, request, PredictReply.error(status, detail))
+        for inbox, encoded in replies.items():
+            pipe.rpush(inbox, *encoded)
+            pipe.expire(inbox, REPLY_TTL_S)  # an API process that died: its inbox expires
         pipe.execute()
+
+    def _reply_errors(self, requests: list[PredictRequest], status: int, detail: str) -> None:
+        replies: dict[str, list[str]] = defaultdict(list)
+        for request in requests:
+            replies[request.reply_to].append(PredictReply.error(status, detail).encode_to(request.request_id))
+        self._send_replies(replies)
+
+
+def _decode_or_error(data: bytes, meta: ModelMeta, max_pixels: int) -> np.ndarray | BadImage:
+    try:
+        return decode_image(data, meta, max_pixels)
+    except BadImage as exc:
+        return exc

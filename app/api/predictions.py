@@ -1,10 +1,11 @@
 """The API's side of a prediction: check the job, pick a live worker, send, wait (bounded).
 
 Requests travel on a Redis list per device (RPUSH here, BLPOP in the worker's inference
-thread) and the answer comes back on a one-off reply list, all over the API's async Redis
-client: no thread is parked per request and the round trip is two Redis calls (a script checks
-that the job succeeded and queues the request in one). The worker's reply body is passed
-through as the HTTP body, not parsed and re-serialised (the messages are core/wire.py's).
+thread) and the answer comes back to this process's inbox (app/api/reply_inbox.py), all over the
+API's async Redis client: no thread is parked per request and a request costs one Redis call of
+its own (a script checks that the job succeeded and queues the request in one). The worker's
+reply body is passed through as the HTTP body, not parsed and re-serialised (the messages are
+core/wire.py's).
 
 A request may name an alias instead of a job (core/aliases.py): the name is resolved to a job id,
 and the script that queues the request first checks that the alias still points there (else the
@@ -14,16 +15,17 @@ alias's move and the request's queueing are ordered by Redis itself.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import itertools
 import json
-import secrets
 import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from PIL import Image
 
+from app.api.reply_inbox import ReplyInbox
 from core import keys
 from core.aliases import validate_alias_name
 from core.devices import SERVING, devices_from_replies, liveness_reads
@@ -31,7 +33,7 @@ from core.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable,
 from core.images import IMAGE_FORMATS, IMAGE_FORMATS_TEXT, OPENED_FORMATS
 from core.schemas import Device, JobStatus
 from core.storage import validate_id
-from core.wire import PredictReply, PredictRequest, WireImage
+from core.wire import PredictRequest, WireImage
 
 LIVE_CACHE_S = 0.5
 
@@ -95,6 +97,10 @@ class PredictionClient:
         self._turn = itertools.count()
         self._queue_if_succeeded = client.register_script(_QUEUE_IF_SUCCEEDED)
         self._queue_if_alias_still_there = client.register_script(_QUEUE_IF_ALIAS_STILL_THERE)
+        self.inbox = ReplyInbox(client)
+
+    async def close(self) -> None:
+        await self.inbox.close()
 
     async def predict(self, job_id: str | None, images: list[UploadedImage], top_k: int, *,
                       alias: str | None = None) -> bytes:
@@ -113,21 +119,27 @@ class PredictionClient:
             validate_id(job_id or "", "job_id")
         for image in images:
             check_image(image, self.max_bytes, self.max_pixels)
-        for _ in range(ALIAS_RESOLVE_TRIES):
-            if alias is not None:
-                job_id = await self._resolve(alias)
-            assert job_id is not None
-            status, device, reply_to = await self._queue(job_id, images, top_k, alias)
-            if status != _MOVED:
-                break
-        else:
-            raise Unavailable(f"alias {alias} moved {ALIAS_RESOLVE_TRIES} times while this request was queued; retry")
-        self._check_status(job_id, status)
-        answer = await self.redis.blpop([reply_to], timeout=self.timeout_s)
-        if answer is None:
-            self._live_at = 0.0  # look again next time: this worker may be gone
-            raise Unavailable(f"worker {device.worker} ({device.id}) did not answer within {self.timeout_s:g}s")
-        reply = PredictReply.decode(answer[1])
+        request_id, answer = self.inbox.expect()
+        try:
+            for _ in range(ALIAS_RESOLVE_TRIES):
+                if alias is not None:
+                    job_id = await self._resolve(alias)
+                assert job_id is not None
+                status, device = await self._queue(job_id, images, top_k, alias, request_id)
+                if status != _MOVED:
+                    break
+            else:
+                raise Unavailable(f"alias {alias} moved {ALIAS_RESOLVE_TRIES} times while this request was queued; "
+                                  f"retry")
+            self._check_status(job_id, status)
+            try:
+                reply = await asyncio.wait_for(answer, self.timeout_s)
+            except TimeoutError:
+                self._live_at = 0.0  # look again next time: this worker may be gone
+                raise Unavailable(f"worker {device.worker} ({device.id}) did not answer within "
+                                  f"{self.timeout_s:g}s") from None
+        finally:
+            self.inbox.forget(request_id)
         reply.raise_for_status()
         return reply.body.encode() if alias is None else _naming_alias(reply.body, alias)
 
@@ -138,17 +150,17 @@ class PredictionClient:
         return job_id
 
     async def _queue(self, job_id: str, images: list[UploadedImage], top_k: int,
-                     alias: str | None) -> tuple[str | None, Device, str]:
+                     alias: str | None, request_id: str) -> tuple[str | None, Device]:
         """Queue the request on a live device if the job succeeded (and the alias still names it):
-        (the job's status or _MOVED, the device, the reply list)."""
+        (the job's status or _MOVED, the device)."""
         live = await self._live_devices()
         if not live:  # still say 404 / 409 first: they do not depend on a worker
             self._check_status(job_id, await self.redis.hget(keys.job(job_id), "status"))
             raise Unavailable("no live worker can serve predictions; start one with `torchyard worker`")
         device = self._pick_device(job_id, live)
-        reply_to = keys.predict_reply(secrets.token_hex(12))
         now = time.time()
-        request = PredictRequest(job_id=job_id, top_k=top_k, reply_to=reply_to, queued_at=now,
+        request = PredictRequest(job_id=job_id, top_k=top_k, reply_to=self.inbox.key, request_id=request_id,
+                                 queued_at=now,
                                  deadline=now + self.timeout_s,
                                  images=[WireImage(filename=i.filename, data=i.data) for i in images])
         if alias is None:
@@ -158,7 +170,7 @@ class PredictionClient:
             status = await self._queue_if_alias_still_there(
                 keys=[keys.ALIASES, keys.job(job_id), keys.predict_queue(device.id)],
                 args=[alias, job_id, JobStatus.succeeded.value, request.encode()])
-        return status, device, reply_to
+        return status, device
 
     @staticmethod
     def _check_status(job_id: str, status: str | None) -> None:

@@ -64,6 +64,7 @@ class Services:
                    evaluations=Evaluations(jobs, datasets, devices, CheckpointPaths(settings.checkpoints_dir)))
 
     async def close(self) -> None:
+        await self.predictions.close()
         await self.aredis.aclose()
         self.redis.close()
 

@@ -16,7 +16,7 @@ from PIL import Image
 
 from core import keys
 from core.storage import CheckpointPaths
-from core.wire import PredictRequest, WireImage
+from core.wire import PredictReply, PredictRequest, WireImage
 from models.registry import build_model
 from worker.checkpoint import CheckpointError, ModelMeta, Preprocessing, save_model
 from worker.device import WorkerDevice
@@ -121,7 +121,8 @@ def test_cache_evicts_by_bytes(tmp_path) -> None:
 
 def _request(job_id: str, images: list[bytes], reply_to: str, top_k: int = 3) -> str:
     now = time.time()
-    return PredictRequest(job_id=job_id, top_k=top_k, reply_to=reply_to, queued_at=now, deadline=now + 30,
+    return PredictRequest(job_id=job_id, top_k=top_k, reply_to=reply_to, request_id=f"id-{reply_to}",
+                          queued_at=now, deadline=now + 30,
                           images=[WireImage(filename=f"{i}.png", data=d) for i, d in enumerate(images)]).encode()
 
 
@@ -146,8 +147,11 @@ def test_queued_requests_run_as_one_batch_and_bad_ones_are_answered_alone(clean_
                    [*(f"reply:{i}" for i in range(6)), "reply:two", "reply:bad", "reply:missing"]}
     finally:
         server.stop()
+        server.join()
     assert all(replies.values()), replies
-    status = {key: value[1].split(" ", 1)[0] for key, value in replies.items()}
+    addressed = {key: PredictReply.decode_addressed(value[1]) for key, value in replies.items()}
+    assert all(request_id == f"id-{key}" for key, (request_id, _) in addressed.items())
+    status = {key: str(reply.status) for key, (_, reply) in addressed.items()}
     assert status.pop("reply:bad") == "415" and status.pop("reply:missing") == "409"
     assert set(status.values()) == {"200"}
     stats = server.stats.as_dict()
@@ -157,7 +161,7 @@ def test_queued_requests_run_as_one_batch_and_bad_ones_are_answered_alone(clean_
     with torch.inference_mode():
         x = torch.from_numpy(np.stack([image_to_array(Image.open(io.BytesIO(p)), 3, 32, 32) for p in pngs]))
         expected = torch.softmax(model(normalize(x, mean, std)), dim=1)
-    body = json.loads(replies["reply:two"][1].split(" ", 1)[1])
+    body = json.loads(addressed["reply:two"][1].body)
     assert body["job_id"] == "job-a" and body["model"] == "cifar_net" and body["device"] == device.id
     assert [r["filename"] for r in body["results"]] == ["0.png", "1.png"]
     for result, row in zip(body["results"], (expected[6], expected[0]), strict=True):
@@ -165,3 +169,30 @@ def test_queued_requests_run_as_one_batch_and_bad_ones_are_answered_alone(clean_
         assert len(top) == 3 and [p["index"] for p in top] == row.topk(3).indices.tolist()
         assert all(abs(p["probability"] - row[p["index"]].item()) <= 1e-6 for p in top)
         assert top[0]["label"] == META.classes[top[0]["index"]]
+
+
+def test_padding_to_a_bucket_as_on_a_gpu_changes_no_answer(clean_redis_url: str, tmp_path) -> None:
+    """The GPU path pads a batch of 3 to 4 rows (worker/batching.bucket_size); run it on the CPU."""
+    client = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    paths = CheckpointPaths(tmp_path)
+    model = _save(paths, "job-a", 6)
+    device = WorkerDevice("cpu", None, "testnode")
+    server = InferenceServer(client, device, ModelCache(paths, "cpu", 2, 1 << 30), max_batch=32, max_wait_ms=5,
+                             max_pixels=10_000, pad_to_buckets=True)
+    pngs = [_encode(_rgb(40 + i), "PNG") for i in range(3)]
+    client.rpush(keys.predict_queue(device.id), _request("job-a", pngs, "reply:padded", top_k=10))
+    server.start()
+    try:
+        reply = client.blpop(["reply:padded"], timeout=20)
+    finally:
+        server.stop()
+        server.join()
+    assert reply is not None
+    _, answer = PredictReply.decode_addressed(reply[1])
+    assert answer.status == 200 and server.stats.as_dict()["batch_size_histogram"] == {"3": 1}
+    mean, std = stats_tensors(META.preprocessing, "cpu")
+    with torch.inference_mode():
+        x = torch.from_numpy(np.stack([image_to_array(Image.open(io.BytesIO(p)), 3, 32, 32) for p in pngs]))
+        expected = torch.softmax(model(normalize(x, mean, std)), dim=1)
+    for result, row in zip(json.loads(answer.body)["results"], expected, strict=True):
+        assert all(abs(p["probability"] - row[p["index"]].item()) <= 1e-5 for p in result["predictions"])

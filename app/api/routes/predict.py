@@ -1,10 +1,16 @@
+"""POST /predict: served by the front gate directly (`DIRECT`), declared here for OpenAPI too."""
+
 from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
+from starlette.types import Receive, Scope, Send
 
 from app.api.deps import ServicesDep
+from app.api.errors import known_error_response, unexpected_error_response
+from app.api.front import DirectRoute
 from app.api.multipart import read_form
 from app.api.predictions import UploadedImage
+from app.api.services import Services
 from core.errors import InvalidInput, TooLarge
 from core.schemas import PredictResponse
 
@@ -33,6 +39,10 @@ _BODY = {"required": True, "content": {"multipart/form-data": {"schema": {
 async def predict(services: ServicesDep, request: Request) -> Response:
     """Classify one or more images (`file` parts) with a succeeded job's model (`job_id`, or an `alias`
     that names one), on a live worker."""
+    return Response(await _answer(services, request), media_type="application/json")
+
+
+async def _answer(services: Services, request: Request) -> bytes:
     settings = services.settings
     form = await read_form(request, max_parts=settings.max_images_per_request + 8, file_fields=frozenset({"file"}))
     job_id, alias = form.fields.get("job_id") or None, form.fields.get("alias") or None
@@ -52,5 +62,18 @@ async def predict(services: ServicesDep, request: Request) -> Response:
     if not images:
         raise InvalidInput("file: send at least one image as a `file` part")
     # The worker's JSON is already a PredictResponse: pass it through rather than validate and re-encode it.
-    return Response(await services.predictions.predict(job_id, images, top_k, alias=alias),
-                    media_type="application/json")
+    return await services.predictions.predict(job_id, images, top_k, alias=alias)
+
+
+async def _serve(scope: Scope, receive: Receive, send: Send) -> None:
+    """The route as a plain ASGI app, for the front gate: the same answer and the same errors as the
+    FastAPI route above, without FastAPI's routing and dependency layers."""
+    request = Request(scope, receive)
+    try:
+        response = Response(await _answer(request.app.state.services, request), media_type="application/json")
+    except Exception as exc:
+        response = known_error_response(exc) or unexpected_error_response(exc, "POST", "/predict", log_trace=True)
+    await response(scope, receive, send)
+
+
+DIRECT = {("POST", "/predict"): DirectRoute("/predict", _serve)}

@@ -78,6 +78,7 @@ def test_errors_come_in_order_and_no_worker_is_a_quick_503(clean_redis_url: str)
         with pytest.raises(Unavailable, match="no live worker"):  # at once: nothing was queued to wait for
             await client.predict("donejob", good, 5)
         assert not await client.redis.keys("ty:predict:*")
+        await client.close()
         await client.redis.aclose()
 
     asyncio.run(scenario())
@@ -92,6 +93,7 @@ def test_a_worker_that_never_answers_is_a_503_after_the_timeout(clean_redis_url:
         client = _client(clean_redis_url, timeout_s=0.5)
         with pytest.raises(Unavailable, match="did not answer"):
             await client.predict("donejob", [_image()], 5)
+        await client.close()
         await client.redis.aclose()
 
     asyncio.run(scenario())
@@ -108,7 +110,8 @@ def test_reply_passthrough_and_worker_choice(clean_redis_url: str) -> None:
 
     def fake_worker(body: str) -> None:
         _, raw = sync.blpop([keys.predict_queue("n/cuda:0")], timeout=5)
-        sync.rpush(PredictRequest.decode(raw).reply_to, body)
+        request = PredictRequest.decode(raw)
+        sync.rpush(request.reply_to, f"{request.request_id} {body}")
 
     async def scenario() -> None:
         client = _client(clean_redis_url, timeout_s=5)
@@ -121,6 +124,7 @@ def test_reply_passthrough_and_worker_choice(clean_redis_url: str) -> None:
         with pytest.raises(UnsupportedMedia, match="cannot decode"):
             await client.predict("donejob", [_image()], 3)
         await worker
+        await client.close()
         await client.redis.aclose()
 
     asyncio.run(scenario())

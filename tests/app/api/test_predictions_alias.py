@@ -27,18 +27,19 @@ def test_a_request_is_queued_for_the_job_the_alias_names_at_that_moment(clean_re
         _, raw = sync.blpop([keys.predict_queue("n/cpu")], timeout=5)
         request = PredictRequest.decode(raw)
         body = {"job_id": request.job_id, "model": "cifar_net", "device": "n/cpu", "results": [], "alias": None}
-        sync.rpush(request.reply_to, f"200 {json.dumps(body)}")
+        sync.rpush(request.reply_to, f"{request.request_id} 200 {json.dumps(body)}")
 
     async def scenario() -> None:
         client = PredictionClient(connect_async(clean_redis_url), timeout_s=5, max_bytes=1 << 20,
                                   max_pixels=10_000, max_images=4)
         # resolved to jobaaaa a moment ago, but the alias moved to jobbbbb since: nothing is queued
-        status, _, _ = await client._queue("jobaaaa", [_image()], 3, "pets")
+        status, _ = await client._queue("jobaaaa", [_image()], 3, "pets", "some-request")
         assert status == _MOVED and await client.redis.llen(keys.predict_queue("n/cpu")) == 0
         worker = asyncio.get_running_loop().run_in_executor(None, fake_worker)
         answer = json.loads(await client.predict(None, [_image()], 3, alias="pets"))
         await worker
         assert (answer["job_id"], answer["alias"]) == ("jobbbbb", "pets")
+        await client.close()
         await client.redis.aclose()
 
     asyncio.run(scenario())

@@ -1,0 +1,120 @@
+"""How the inference engine (worker/inference.py) forms batches and gets them onto its device.
+
+Kept apart from the threads and Redis so that every decision here runs in the CPU tests exactly
+as it runs on a GPU worker (CI has no GPU): the batching window, the bucketed batch sizes and the
+rotation of the host staging buffers. The CUDA calls themselves are the few lines listed in
+docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+STAGING_BUFFERS = 2  # one being filled while the previous one's copy to the device completes
+
+
+class BatchWindow:
+    """When the intake hands what it has collected to the device thread.
+
+    - A lone request on a quiet device goes at once: the expected batch starts at one, and a
+      batch that had to wait out its window resets the expectation to what did arrive.
+    - Under load the expected batch is the largest recent one, so with 32 clients in a closed
+      loop the intake waits for the 32nd request instead of sending the first few it sees;
+      before this the batches at 32 clients held 10 to 20 images on this 2-core host.
+    - The wait is bounded by `max_wait_s`, timed from when the API queued the first request or
+      from when the device became free, whichever is later: while the device is busy there is
+      nothing to gain by handing over (in a closed loop most clients are waiting for the batch
+      being computed, and come back only once it is answered), so the intake keeps collecting
+      up to `max_batch` and the window opens when the device can take the batch.
+
+    When traffic falls, the first batch that waits out its window brings the expectation down to
+    what arrived: at most `max_wait_s` of extra latency, once.
+    """
+
+    def __init__(self, max_batch: int, max_wait_s: float) -> None:
+        self.max_batch = max_batch
+        self.max_wait_s = max_wait_s
+        self.expected = 1
+
+    def target(self) -> int:
+        return max(1, min(self.max_batch, self.expected))
+
+    def deadline(self, opened_at: float) -> float:
+        return opened_at + self.max_wait_s
+
+    def ready(self, images: int, opened_at: float, now: float, device_busy: bool) -> bool:
+        """Whether a batch of `images` should go to the device now. `opened_at` (epoch s): when the
+        first request was queued or the device became free, whichever is later."""
+        if images >= self.max_batch:
+            return True
+        if device_busy:
+            return False
+        return images >= self.target() or now >= self.deadline(opened_at)
+
+    def observe(self, images: int) -> None:
+        """The batch just handed over: one that reached the expectation raises it to its size; one
+        that waited out its window (fewer arrived) sets it to what did arrive."""
+        self.expected = images if images < self.target() else max(self.expected, images)
+
+
+def bucket_size(n: int, max_batch: int) -> int:
+    """The batch size a batch of `n` images is padded to on a GPU: the next power of two, capped at
+    `max_batch` (which is a bucket itself). With `torch.backends.cudnn.benchmark` cuDNN tunes its
+    kernels once per input shape; serving every size from 1 to 32 would tune 32 times (each a
+    slow first batch), six buckets tune six times. A padded row costs a GPU next to nothing; on the
+    CPU, where it would cost its full share, batches are not padded."""
+    if n <= 0:
+        raise ValueError("a batch holds at least one image")
+    if n >= max_batch:
+        return n
+    return min(max_batch, 1 << (n - 1).bit_length())
+
+
+class HostStaging:
+    """Pinned host buffers a batch is stacked into before it goes to the device.
+
+    The decoded images are written straight into a buffer (no intermediate `np.stack`), padded rows
+    are zeroed, and the copy to the device is asynchronous (`non_blocking`, which is only
+    asynchronous from pinned memory). An event recorded after the copy guards the buffer: it is
+    written again only once that copy has completed, `STAGING_BUFFERS` batches later. On the CPU
+    (`pinned` False: no pinned memory, no events) the same rotation runs with plain buffers and
+    the copy is a real copy, so a later batch never overwrites a tensor still in use.
+    """
+
+    def __init__(self, device: torch.device, capacity: int, pinned: bool, buffers: int = STAGING_BUFFERS) -> None:
+        self.device = device
+        self.capacity = capacity
+        self.pinned = pinned
+        self.buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}  # by image shape (C, H, W)
+        self._copied: dict[tuple[int, ...], list[torch.cuda.Event | None]] = {}
+        self._slot: dict[tuple[int, ...], int] = {}
+        self.count = buffers
+
+    def upload(self, arrays: list[np.ndarray], rows: int) -> torch.Tensor:
+        """`arrays` (uint8, each C×H×W) as one `rows`-long uint8 batch on the device; rows past
+        `len(arrays)` are zeros."""
+        shape = tuple(arrays[0].shape)
+        if rows > self.capacity or rows < len(arrays):
+            raise ValueError(f"{len(arrays)} images in {rows} rows; the staging buffers hold {self.capacity}")
+        if shape not in self.buffers:
+            self.buffers[shape] = [torch.empty((self.capacity, *shape), dtype=torch.uint8, pin_memory=self.pinned)
+                                   for _ in range(self.count)]
+            self._copied[shape] = [None] * self.count
+            self._slot[shape] = -1
+        slot = self._slot[shape] = (self._slot[shape] + 1) % self.count
+        copied = self._copied[shape][slot]
+        if copied is not None:
+            copied.synchronize()  # the copy out of this buffer, `count` batches ago, has finished
+        buffer = self.buffers[shape][slot]
+        host = buffer.numpy()
+        for row, array in enumerate(arrays):
+            host[row] = array
+        if rows > len(arrays):
+            host[len(arrays):rows] = 0
+        batch = buffer[:rows].to(self.device, non_blocking=self.pinned, copy=True)
+        if self.pinned:
+            event = torch.cuda.Event()
+            event.record()  # on the current (inference) stream, after the copy
+            self._copied[shape][slot] = event
+        return batch
