@@ -36,13 +36,9 @@ def _up(settings: Settings, _: argparse.Namespace) -> int:
 def _api(settings: Settings, _: argparse.Namespace) -> int:
     if _refuse_unsafe_bind(settings):  # before the heavy imports: a refusal answers at once
         return 2
-    import uvicorn
+    from app.server import serve
 
-    from app.main import create_app
-    from app.server import uvicorn_options
-
-    uvicorn.run(create_app(settings), **uvicorn_options(settings))
-    return 0
+    return serve(settings)
 
 
 def _worker(settings: Settings, args: argparse.Namespace) -> int:

@@ -12,20 +12,46 @@ of the connection (or of the previous response) and within `max_header_bytes` (4
 closed); at most `max_connections` open connections per process and `max_connections_per_client`
 per client address (503 with a JSON `detail`, then closed). The body's own deadline and cap are
 the front gate's (app/api/front.py), which sees the route.
+
+Several processes on one port (`serve`, TORCHYARD_API_WORKERS > 1): one uvicorn process spends
+~0.45 ms of CPU per /predict, so ~2,000 requests/s per host whatever the GPUs. uvicorn's own
+supervisor (`uvicorn.supervisors.Multiprocess`, subclassed as `ApiProcesses`) binds the socket
+once and spawns N children that accept on it; it restarts a child that dies or stops answering
+its pings, and on SIGTERM/SIGINT stops them all (each drains for `timeout_graceful_shutdown`)
+before it exits. A spawned child starts from an import string, so it builds its app and its
+connection limits from its own Settings (`api_process_app`: the same environment, hence the
+same values). The parent gives the children a fresh private directory for prometheus_client's
+multiprocess mode (app/api/metrics.py) and removes it when they are gone. The limits above are
+per process: N processes hold up to N x TORCHYARD_MAX_CONNECTIONS connections.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
+import multiprocessing
+import os
 import resource
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from pathlib import Path
+from socket import socket
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.supervisors.multiprocess import Multiprocess
 
+from app.process import die_with_parent
 from core.config import Settings, get_settings
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 log = logging.getLogger("torchyard.api")
 
@@ -73,7 +99,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if GuardedHttpProtocol.limits is None:  # a uvicorn worker process spawned with these options
+        if GuardedHttpProtocol.limits is None:  # served by something other than `serve` (it configures it)
             GuardedHttpProtocol.limits = ConnectionLimits.from_settings(get_settings())
         self._limits = GuardedHttpProtocol.limits
         self._peer: str | None = None
@@ -217,3 +243,123 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     return {"host": settings.host, "port": settings.port, "log_level": "info", "access_log": settings.access_log,
             "timeout_graceful_shutdown": 5, "http": GuardedHttpProtocol, "timeout_keep_alive": 5,
             "ws": "none"}  # no WebSocket routes: an Upgrade header is just a header
+
+
+# ------------------------------------------------------------------ several API processes
+METRICS_DIR_PREFIX = "torchyard-api-metrics-"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # as app/api/metrics.py reads it (not imported: it loads prometheus)
+EXIT_CHILD_FAILED_TO_START = 3  # uvicorn's STARTUP_FAILURE: `up` restarts the API with backoff
+
+
+def serve(settings: Settings) -> int:
+    """`torchyard api`: one uvicorn process, or `settings.api_workers` of them on one port."""
+    import uvicorn
+
+    # This process owns prometheus_client's variable (read once, when it is first imported, which
+    # has not happened yet here): one inherited from elsewhere would point our counters at files
+    # another program keeps, or at a directory that does not exist.
+    os.environ.pop(MULTIPROC_ENV, None)
+    options = uvicorn_options(settings)
+    if settings.api_workers == 1:
+        from app.main import create_app
+
+        uvicorn.run(create_app(settings), **options)
+        return 0
+    with private_metrics_dir(Path(tempfile.gettempdir())) as metrics_dir:
+        # Spawned children copy this environment, so they import prometheus_client in file mode.
+        os.environ[MULTIPROC_ENV] = str(metrics_dir)
+        config = Config(f"{__name__}:api_process_app", factory=True, workers=settings.api_workers, **options)
+        sock = config.bind_socket()
+        processes = ApiProcesses(config, [sock], metrics_dir)
+        try:
+            processes.run()
+        finally:
+            sock.close()
+    return EXIT_CHILD_FAILED_TO_START if processes.child_failed_to_start else 0
+
+
+def api_process_app() -> FastAPI:
+    """The app of one spawned API process (uvicorn's factory, called in the child before it
+    accepts a connection): its own Settings from the environment the parent passed down, its
+    connection limits, and the parent-death signal: a SIGKILLed parent (OOM) must not leave
+    children serving the port, or the restarted API could never bind it again."""
+    die_with_parent()
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid != os.getppid():
+        sys.exit(0)  # the parent died before the signal was armed
+    from app.cli import LOG_FORMAT
+    from app.main import create_app
+
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    settings = get_settings()
+    GuardedHttpProtocol.configure(settings)
+    return create_app(settings)
+
+
+class ApiProcesses(Multiprocess):
+    """uvicorn's supervisor of the API processes, plus the metrics bookkeeping of a child that is
+    gone (`mark_process_dead`: for counters and histograms it drops nothing, since a dead
+    process's counts still count; it keeps live gauges right should one be added) and the
+    exit status when a child could not start (uvicorn then stops them all)."""
+
+    def __init__(self, config: Config, sockets: list[socket], metrics_dir: Path) -> None:
+        super().__init__(config, sockets)
+        self.metrics_dir = metrics_dir
+        self.child_failed_to_start = False
+
+    def _pids(self) -> set[int]:
+        return {p.pid for p in self.processes if p.pid is not None}
+
+    def _forget_gone(self, before: set[int]) -> None:
+        from prometheus_client.multiprocess import mark_process_dead
+
+        for pid in before - self._pids():
+            mark_process_dead(pid, str(self.metrics_dir))
+
+    def keep_subprocess_alive(self) -> None:
+        before, stopping = self._pids(), self.should_exit.is_set()
+        super().keep_subprocess_alive()
+        if not stopping and self.should_exit.is_set():  # only a child's start-up failure sets it here
+            self.child_failed_to_start = True
+        self._forget_gone(before)
+
+    def handle_signals(self) -> None:
+        before = self._pids()
+        super().handle_signals()  # SIGHUP replaces every child, SIGTTOU retires one
+        self._forget_gone(before)
+
+
+@contextlib.contextmanager
+def private_metrics_dir(parent: Path) -> Iterator[Path]:
+    """A fresh, empty directory for one API parent's metrics files, removed when it exits. Files
+    left by an earlier run would be summed into this one's counters, so a new directory is made
+    each time, and those of parents that are gone (SIGKILL: no chance to clean) are removed first."""
+    remove_stale_metrics_dirs(parent)
+    path = Path(tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-", dir=parent))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_stale_metrics_dirs(parent: Path) -> list[Path]:
+    """Remove the metrics directories whose API parent no longer runs (or whose pid is ours: a
+    restarted container reuses pids and keeps its /tmp). Returns what it removed."""
+    removed = []
+    for path in parent.glob(f"{METRICS_DIR_PREFIX}*"):
+        pid_text = path.name[len(METRICS_DIR_PREFIX):].split("-", 1)[0]
+        if not pid_text.isdigit() or not path.is_dir() or (int(pid_text) != os.getpid() and _alive(int(pid_text))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True

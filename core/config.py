@@ -3,12 +3,29 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 from functools import lru_cache
 from pathlib import Path
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_api_workers() -> int:
+    """API processes when TORCHYARD_API_WORKERS is unset: half this process's cores, at least 1, at
+    most 4. One uvicorn process tops out near 2,000 /predict requests/s (~0.45 ms of API CPU each),
+    so a GPU host needs several; but the cores are shared with what the API feeds: each worker's
+    decode threads and device feeder, Redis (every /predict crosses it twice), and the training
+    jobs' data loading, hence half. 1 on a 2-core machine, where `up` runs Redis and a worker too.
+    4 at most: past ~8,000 requests/s the single Redis and the workers' decoding are the limit, so
+    more processes only add memory (~400 MiB each: the model registry loads torch) and idle
+    connections; raise it after measuring (docs/operations.md)."""
+    try:
+        cores = len(os.sched_getaffinity(0))  # the CPUs this process may use (a container's cpuset)
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return min(4, max(1, cores // 2))
 
 
 class Settings(BaseSettings):
@@ -28,6 +45,10 @@ class Settings(BaseSettings):
     port: int = Field(default=8000, ge=0, le=65535)
     api_key: SecretStr | None = Field(default=None, description="When set, a bearer token every endpoint but /healthz needs.")
     access_log: bool = Field(default=False, description="uvicorn's line per request; costs ~15% of the API's CPU on /predict.")
+    api_workers: int = Field(
+        default_factory=default_api_workers, ge=1,
+        description="API processes serving one port (uvicorn's supervisor). Unset: half the cores, 1 to 4.",
+    )
 
     # --- workers and devices -----------------------------------------------------------
     node_name: str = Field(default_factory=socket.gethostname, description="Host part of device ids and worker names.")

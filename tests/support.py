@@ -58,7 +58,10 @@ class Processes:
     def __init__(self, redis_url: str, data_dir: Path, logs: Path, **env: str) -> None:
         self.env = {**os.environ, "TORCHYARD_REDIS_URL": redis_url, "TORCHYARD_DATA_DIR": str(data_dir),
                     "PYTHONUNBUFFERED": "1", "TORCHYARD_HEARTBEAT_INTERVAL_S": "0.5",
-                    "TORCHYARD_HEARTBEAT_TTL_S": "3", **env}
+                    "TORCHYARD_HEARTBEAT_TTL_S": "3",
+                    # One API process unless a test asks for more: the per-process connection caps
+                    # the security tests count on must not depend on the machine's cores.
+                    "TORCHYARD_API_WORKERS": "1", **env}
         self.env.pop("TORCHYARD_API_KEY", None)
         self.env.update(env)
         self.logs = logs

@@ -5,18 +5,28 @@ latency) in prometheus_client's own counters, and the cluster's state read from 
 time (queue depths, jobs by status, devices, inference batch sizes, training throughput), so
 every API replica reports the same truth and nothing goes stale between scrapes. Each app has
 its own registry: two apps in one process (tests) never share counters.
+
+Several API processes on one port (TORCHYARD_API_WORKERS > 1, app/server.py): a scrape lands on
+any one of them, so the process-local counters are kept in prometheus_client's multiprocess mode
+(one mmap file per process in the directory PROMETHEUS_MULTIPROC_DIR names, which the API parent
+creates, sets before its children import prometheus_client, and removes) and every scrape sums all
+the files, a dead process's included (a counter never goes down). The cluster collector stays in
+the answering process's registry only, so its families appear once, not once per process.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from core import keys
@@ -29,6 +39,15 @@ log = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own variable, read once at its import
+
+
+def multiprocess_dir() -> Path | None:
+    """Where this process's counters live when the API runs as several processes, else None. The
+    environment, not Settings: prometheus_client itself decides from this variable at import time
+    whether its values are in memory or in files, and we must agree with it."""
+    value = os.environ.get(MULTIPROC_ENV)
+    return Path(value) if value else None
 
 
 @dataclass(frozen=True)
@@ -153,20 +172,28 @@ class ClusterCollector(Collector):
 
 
 class Metrics:
-    """One app's registry: request counters the middleware feeds, plus the cluster collector."""
+    """One app's registry: request counters the middleware feeds, plus the cluster collector.
 
-    def __init__(self) -> None:
+    `multiprocess`: the directory of prometheus_client's multiprocess mode. The counters are then
+    registered nowhere (their values go to this process's file) and the registry holds a
+    MultiProcessCollector that sums every process's file at each scrape; registering them as
+    well would count this process twice."""
+
+    def __init__(self, multiprocess: Path | None = None) -> None:
         disable_created_metrics()  # no `_created` twin of every series: noise for a dashboard scrape
         self.registry = CollectorRegistry(auto_describe=False)
+        own = self.registry if multiprocess is None else None
         self.requests = Counter("torchyard_http_requests", "HTTP requests by route template and status",
-                                ["method", "route", "status"], registry=self.registry)
+                                ["method", "route", "status"], registry=own)
         self.duration = Histogram("torchyard_http_request_duration_seconds",
                                   "time to the end of the response, by route template (event streams "
                                   "count their whole life)", ["route"], buckets=LATENCY_BUCKETS,
-                                  registry=self.registry)
+                                  registry=own)
         self.predict_latency = Histogram("torchyard_predict_latency_seconds",
                                          "POST /predict round trip in the API, successful calls",
-                                         buckets=LATENCY_BUCKETS, registry=self.registry)
+                                         buckets=LATENCY_BUCKETS, registry=own)
+        if multiprocess is not None:
+            MultiProcessCollector(self.registry, path=str(multiprocess))
 
     def watch_cluster(self, source: Callable[[], ClusterSource | None]) -> None:
         self.registry.register(ClusterCollector(source))

@@ -23,3 +23,32 @@ def test_refused_only_without_a_key_beyond_loopback_unless_allowed(caplog: pytes
         warn_if_open(allowed)
         warn_if_open(Settings(_env_file=None, host="127.0.0.1"))  # loopback: nothing to say
     assert sum("NO AUTHENTICATION" in r.message for r in caplog.records) == 1
+
+
+def test_metrics_dirs_of_gone_parents_are_removed_and_a_fresh_one_is_made(tmp_path) -> None:
+    """Files an earlier API parent left (SIGKILL: no clean-up) would be summed into the new one's
+    counters: they go, a live parent's stay, and each start gets an empty directory it removes."""
+    import os
+    import subprocess
+    import sys
+
+    from app.api import metrics
+    from app.server import METRICS_DIR_PREFIX, MULTIPROC_ENV, private_metrics_dir
+
+    assert MULTIPROC_ENV == metrics.MULTIPROC_ENV == "PROMETHEUS_MULTIPROC_DIR"  # one variable, two readers
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    stale = tmp_path / f"{METRICS_DIR_PREFIX}{dead}-abc"
+    ours = tmp_path / f"{METRICS_DIR_PREFIX}{os.getpid()}-old"  # a restarted container reuses pids
+    live = tmp_path / f"{METRICS_DIR_PREFIX}1-xyz"  # pid 1 is always running
+    unrelated = tmp_path / "torchyard-other"
+    for path in (stale, ours, live, unrelated):
+        path.mkdir()
+        (path / "counter_123.db").write_bytes(b"x")
+    with private_metrics_dir(tmp_path) as fresh:
+        assert fresh.is_dir() and list(fresh.iterdir()) == []
+        assert fresh.name.startswith(f"{METRICS_DIR_PREFIX}{os.getpid()}-")
+        assert not stale.exists() and not ours.exists()
+        assert live.exists() and unrelated.exists()
+    assert not fresh.exists()

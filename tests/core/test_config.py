@@ -28,3 +28,18 @@ def test_empty_values_mean_unset(monkeypatch) -> None:
     monkeypatch.setenv("TORCHYARD_HOST_GPU_INDEX", "")
     settings = Settings(_env_file=None)
     assert settings.api_key is None and settings.host_gpu_index is None
+
+
+def test_api_workers_default_is_half_the_cores_from_1_to_4(monkeypatch) -> None:
+    import pydantic
+    import pytest
+
+    monkeypatch.delenv("TORCHYARD_API_WORKERS", raising=False)
+    for cores, expected in ((1, 1), (2, 1), (3, 1), (4, 2), (8, 4), (64, 4)):
+        monkeypatch.setattr("os.sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert Settings(_env_file=None).api_workers == expected, cores
+    monkeypatch.setenv("TORCHYARD_API_WORKERS", "6")
+    assert Settings(_env_file=None).api_workers == 6
+    monkeypatch.setenv("TORCHYARD_API_WORKERS", "0")
+    with pytest.raises(pydantic.ValidationError):
+        Settings(_env_file=None)

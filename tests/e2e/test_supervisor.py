@@ -23,10 +23,13 @@ def _descendants(pid: int) -> list[psutil.Process]:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_up_starts_stack_and_stops_everything(tmp_path, sig) -> None:
+    """With SIGTERM the API runs as two processes: its children are `up`'s grandchildren, and
+    must be gone too."""
     port = free_port()
+    api_workers = 2 if sig == signal.SIGTERM else 1
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHYARD_REDIS_URL", "TORCHYARD_API_KEY")}
     env.update(TORCHYARD_DATA_DIR=str(tmp_path / "var"), TORCHYARD_PORT=str(port), TORCHYARD_DEVICES="auto",
-               TORCHYARD_HEARTBEAT_INTERVAL_S="0.5", PYTHONUNBUFFERED="1")
+               TORCHYARD_HEARTBEAT_INTERVAL_S="0.5", PYTHONUNBUFFERED="1", TORCHYARD_API_WORKERS=str(api_workers))
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - the process's stdout for its whole life
     up = subprocess.Popen([sys.executable, "-m", "app.cli", "up"], cwd=REPO, env=env, stdout=log,
                           stderr=subprocess.STDOUT, start_new_session=True)
@@ -36,14 +39,17 @@ def test_up_starts_stack_and_stops_everything(tmp_path, sig) -> None:
         children = _descendants(up.pid)
         names = " ".join(" ".join(p.cmdline()) for p in children)
         assert "redis-server" in names and " api" in names and "worker --device cpu" in names
+        api = next(p for p in children if p.cmdline()[-1:] == ["api"])
+        spawned = [p for p in api.children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(spawned) == (api_workers if api_workers > 1 else 0), [p.cmdline() for p in api.children()]
         assert (tmp_path / "var" / "redis" / "appendonlydir").exists() or (tmp_path / "var" / "redis").exists()
         devices = client.get("/devices").json()["devices"]
         assert [d["type"] for d in devices] == ["cpu"]
 
         # A worker that dies is restarted by the supervisor.
-        worker = next(p for p in children if "worker" in " ".join(p.cmdline()))
+        worker = next(p for p in children if "worker --device" in " ".join(p.cmdline()))
         worker.kill()
-        wait_until(lambda: any("worker" in " ".join(p.cmdline()) and p.pid != worker.pid
+        wait_until(lambda: any("worker --device" in " ".join(p.cmdline()) and p.pid != worker.pid
                                for p in _descendants(up.pid)), timeout=30, what="the worker to be restarted")
 
         children = _descendants(up.pid)

@@ -7,7 +7,7 @@ import time
 from fastapi import APIRouter, FastAPI, Request, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.metrics import CONTENT_TYPE, ClusterSource, Metrics
+from app.api.metrics import CONTENT_TYPE, ClusterSource, Metrics, multiprocess_dir
 
 router = APIRouter(tags=["metrics"])
 
@@ -49,8 +49,9 @@ class RequestMetricsMiddleware:
 
 def install_metrics(app: FastAPI) -> Metrics:
     """The app's registry (app.state.metrics), the request middleware and the cluster collector.
-    The /metrics router itself is included with the other protected routers."""
-    metrics = Metrics()
+    The /metrics router itself is included with the other protected routers. Several API
+    processes (PROMETHEUS_MULTIPROC_DIR set by their parent): each scrape sums them all."""
+    metrics = Metrics(multiprocess_dir())
     app.state.metrics = metrics
 
     def source() -> ClusterSource | None:
