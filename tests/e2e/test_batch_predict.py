@@ -232,3 +232,21 @@ def test_a_worker_killed_mid_job_is_resumed_and_every_file_is_there_once(own: di
     assert all(len(line["predictions"]) == 2 for line in lines)
     kinds = [kind for kind, _ in _events(client, job["id"])]
     assert "resumed" in kinds
+
+
+def test_the_cli_labels_a_local_folder(stack: dict, cifar_pair: tuple[str, str], tmp_path: Path) -> None:
+    """`torchyard predict-folder --job J DIR`: zipped and uploaded unlabelled, followed, saved as JSON lines."""
+    from tests.e2e.test_cli import cli
+
+    data, names = _images_zip(12, seed=21)
+    folder = tmp_path / "photos"
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        archive.extractall(folder)
+    out = tmp_path / "labels.jsonl"
+    shown = cli(stack, "predict-folder", "--job", cifar_pair[0], str(folder), "--top-k", "2", "-o", str(out))
+    assert shown.returncode == 0, shown.stderr
+    assert f"saved {out}: 12 images, 0 unreadable" in shown.stdout
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["file"] for line in lines] == names and all(len(line["predictions"]) == 2 for line in lines)
+    missing = cli(stack, "predict-folder", "--job", "nonexistent0", "--dataset", "fake")
+    assert missing.returncode != 0 and "nonexistent0" in missing.stderr

@@ -18,6 +18,7 @@ from worker.predict_job import (
     ResumePoint,
     copy_prefix,
     decoded_batches,
+    encode_labels,
     error_line,
     list_images,
     result_line,
@@ -43,10 +44,18 @@ def test_list_images_is_sorted_relative_and_skips_dotfiles(tmp_path: Path) -> No
 
 
 def test_lines_are_json_with_predictions_best_first() -> None:
-    line = result_line("cat/1.png", [0.7, 0.2], [0, 2], META.classes, label="cat")
+    labels = encode_labels(META.classes)
+    line = result_line("cat/1.png", [0.7, 0.2], [0, 2], labels, label="cat")
     assert line.endswith(b"\n") and line.count(b"\n") == 1
     assert json.loads(line) == {"file": "cat/1.png", "label": "cat", "predictions": [
         {"label": "cat", "index": 0, "probability": 0.7}, {"label": "eel", "index": 2, "probability": 0.2}]}
+    # Byte for byte what json.dumps writes, odd names and non-finite numbers included.
+    odd = ["caf\u00e9 \"q\"", "back\\slash", "tab\t"]
+    for values in ([0.123456789012345, 1e-12], [float("nan"), float("inf")]):
+        got = result_line('we"ird\\name.png', values, [2, 0], encode_labels(odd), label="\u00e9")
+        expected = {"file": 'we"ird\\name.png', "label": "\u00e9", "predictions": [
+            {"label": odd[i], "index": i, "probability": p} for p, i in zip(values, [2, 0], strict=True)]}
+        assert got == (json.dumps(expected, separators=(",", ":")) + "\n").encode()
     assert json.loads(error_line("x\n.png", "cannot decode image: truncated")) == {
         "file": "x\n.png", "error": "cannot decode image: truncated"}  # a newline in a name stays in its line
 
@@ -60,7 +69,7 @@ def test_resume_point_parses_what_it_recorded_and_refuses_garbage() -> None:
 
 def test_copy_prefix_takes_exactly_the_recorded_lines(tmp_path: Path) -> None:
     source = tmp_path / "a.jsonl"
-    lines = [result_line(f"{k}.png", [1.0], [0], META.classes) for k in range(4)]
+    lines = [result_line(f"{k}.png", [1.0], [0], encode_labels(META.classes)) for k in range(4)]
     source.write_bytes(b"".join(lines) + b'{"file": "half-writ')  # what a SIGKILL leaves after the point
     out = io.BytesIO()
     assert copy_prefix(source, out, ResumePoint(images=3, bytes=sum(map(len, lines[:3])), total=4))
@@ -84,6 +93,10 @@ def test_decoded_batches_keep_the_order_and_report_what_does_not_decode(tmp_path
     broken = batches[0]
     assert list(broken.errors) == [3] and "cannot decode image" in broken.errors[3]
     assert broken.images is not None and broken.images.shape == (3, 3, 16, 16) and broken.images.dtype == torch.uint8
+    # A file gone from the disk is an error line that does not show the server's paths.
+    (tmp_path / files[-1]).unlink()
+    [last] = list(decoded_batches(tmp_path, files, META, 10**6, 4, start=10, workers=workers))
+    assert last.images is None and last.errors == {0: "cannot read the file: No such file or directory"}
     # Each image is exactly /predict's decode of that file.
     expected = [decode_image((tmp_path / f).read_bytes(), META, 10**6) for f in files[2:6] if f != "img05.png"]
     assert torch.equal(broken.images, torch.from_numpy(np.stack(expected)))
