@@ -14,6 +14,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -175,6 +176,7 @@ def run(args: argparse.Namespace) -> str:
     finally:
         procs.stop_all()
         redis_server.stop()
+        shutil.rmtree(work, ignore_errors=True)  # 10,000 images, twice (the zip's and the dataset's)
     load_end = os.getloadavg()
     lines = [f"Batch predictions, {args.images:,} {SIZE}×{SIZE} PNGs, one CPU worker ({os.cpu_count()} cores), "
              f"default batch (64), medians of {args.repeats} floor + job pairs; load average {load_start[0]:.2f} "
