@@ -373,7 +373,8 @@ def run(args: argparse.Namespace) -> str:
         worker = procs.worker("cpu")
         api = procs.api(port)
         wait_http(port, "/readyz")
-        pids = {"api": api.pid, "worker": worker.pid, "redis": redis_server.pid}
+        assert redis_server.process is not None
+        pids = {"api": api.pid, "worker": worker.pid, "redis": redis_server.process.pid}
         for model, (job_id, _) in checkpoints.items():
             request = multipart_request(port, "/predict", png, {"job_id": job_id, "top_k": "5"})
             for c in (1, MAX_BATCH):
@@ -398,8 +399,8 @@ def run(args: argparse.Namespace) -> str:
                     cell = {**load(lit_port, request, c, args.seconds), "config": config}
                     print(f"{model} c={c} litserve {config}: {cell}", file=sys.stderr)
                     best = lit.setdefault(model, {}).get(c)
-                    better = (cell["p50_ms"] < best["p50_ms"]) if c == 1 else (cell["images_s"] > best["images_s"])
-                    if best is None or better:
+                    if best is None or ((cell["p50_ms"] < best["p50_ms"]) if c == 1
+                                        else (cell["images_s"] > best["images_s"])):
                         lit[model][c] = cell
             finally:
                 kill_group(proc)

@@ -76,7 +76,7 @@ def _datasets_upload(client: TorchyardClient, args: argparse.Namespace) -> int:
     err = output.console(sys.stderr)
     if not args.json:
         err.print(f"uploading {args.path} …")
-    record = client.upload_dataset(args.path, args.name)
+    record = client.upload_dataset(args.path, args.name, labeled=not args.unlabeled)
     if args.json:
         output.emit_json(record)
         return EXIT_OK
@@ -210,8 +210,10 @@ def _follow(client: TorchyardClient, job: Job, *, quiet: bool) -> None:
                 bar.message(f"{status}{': ' + detail if detail else ''}")
             elif event.kind == "cancel_requested":
                 bar.message("cancel requested")
-            elif event.kind in ("batch_backoff", "early_stop"):
+            elif event.kind in ("batch_backoff", "early_stop", "restarted"):
                 bar.message(str(data.get("message", event.kind)))
+            elif event.kind == "resumed" and "images_done" in data:
+                bar.message(f"resumed after {data['images_done']} of {data.get('images_total', '?')} images")
 
 
 def _interrupted(client: TorchyardClient, job_id: str, args: argparse.Namespace) -> int:
@@ -245,6 +247,48 @@ def _predict(client: TorchyardClient, args: argparse.Namespace) -> int:
         output.emit_json(answer)
     else:
         output.predictions(output.console(), answer)
+    return EXIT_OK
+
+
+def _predict_folder(client: TorchyardClient, args: argparse.Namespace) -> int:
+    """A folder (or zip) of images uploaded unlabelled, or a dataset already uploaded, through a
+    predict job; its progress followed like `train`'s, its results downloaded as JSON lines."""
+    from client import output
+
+    err = output.console(sys.stderr, quiet=args.json)
+    dataset = args.dataset
+    if dataset is None:
+        err.print(f"uploading {args.path} …")
+        dataset = client.upload_dataset(args.path, args.name, labeled=args.labeled)["id"]
+    job = client.submit_predictions(dataset, job_id=args.job, alias=args.alias, top_k=args.top_k,
+                                    batch_size=args.batch_size, device=args.device)
+    err.print(f"job {job.id} queued: predictions of job {job.params.get('trained_job')} on dataset {job.dataset}")
+    if args.detach:
+        if args.json:
+            output.emit_json(job)
+        else:
+            output.console().print(job.id)
+        return EXIT_OK
+    try:
+        _follow(client, job, quiet=args.json)
+    except KeyboardInterrupt:
+        return _interrupted(client, job.id, args)
+    final = client.job(job.id)
+    if final.status.value != "succeeded":
+        if args.json:
+            output.emit_json(final)
+        else:
+            output.job_report(output.console(), final)
+        return EXIT_ERROR
+    target = args.output or f"predictions-{job.id}.jsonl"
+    path, sha256 = client.download_results(job.id, target)
+    summary = final.results
+    if args.json:
+        output.emit_json({"job": final.model_dump(mode="json"), "path": str(path), "sha256": sha256})
+    elif summary is not None:
+        accuracy = f", top-1 accuracy {output.pct(summary.accuracy)}" if summary.accuracy is not None else ""
+        output.console().print(f"saved {path}: {summary.images} images, {summary.errors} unreadable{accuracy}, "
+                               f"{summary.images_per_second:,.0f} images/s")
     return EXIT_OK
 
 
@@ -388,7 +432,8 @@ def _connection_options(nested: bool = False) -> argparse.ArgumentParser:
 
 
 def add_client_commands(sub: argparse._SubParsersAction) -> None:
-    """Register devices, models, datasets, train, evaluate, jobs, job, cancel, predict, checkpoint, alias and export."""
+    """Register devices, models, datasets, train, evaluate, jobs, job, cancel, predict, predict-folder, checkpoint,
+    alias and export."""
     common, nested_common = _connection_options(), _connection_options(nested=True)
 
     def command(name: str, handler: Handler, help_: str,
@@ -410,6 +455,8 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
                                                  "(<class>/<image>)", datasets_sub)
     upload.add_argument("path", help="a directory of <class>/<image> folders, or a .zip of them")
     upload.add_argument("--name", help="a label for the dataset")
+    upload.add_argument("--unlabeled", action="store_true", help="images at any depth, no class folders "
+                                                                 "(for predict-folder only)")
 
     train = command("train", _train, "start a training job and follow it to the end")
     train.add_argument("--model", required=True, help="architecture, e.g. cifar_net (see `torchyard models`)")
@@ -470,6 +517,24 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
     target.add_argument("--alias", help="an alias (see `torchyard alias list`)")
     predict.add_argument("--top-k", type=int, default=5)
     predict.add_argument("images", nargs="+", help="image files (PNG, JPEG, WebP, BMP, GIF)")
+
+    folder = command("predict-folder", _predict_folder, "label a folder of images (or a dataset) with a trained "
+                                                         "job's model: a predict job, followed, its JSON lines saved")
+    folder_model = folder.add_mutually_exclusive_group(required=True)
+    folder_model.add_argument("--job", help="a succeeded training job's id")
+    folder_model.add_argument("--alias", help="an alias (resolved once, when the job is submitted)")
+    folder_source = folder.add_mutually_exclusive_group(required=True)
+    folder_source.add_argument("path", nargs="?", help="a directory or .zip of images, uploaded unlabelled first")
+    folder_source.add_argument("--dataset", help="an uploaded dataset's id or unique name instead of PATH")
+    folder.add_argument("--labeled", action="store_true", help="PATH is <class>/<image> folders: lines carry the "
+                                                               "true label and the job its top-1 accuracy")
+    folder.add_argument("--name", help="a name for the uploaded dataset")
+    folder.add_argument("--top-k", type=int, default=5)
+    folder.add_argument("--batch-size", type=int)
+    folder.add_argument("--device", help="auto (default), cuda, cpu or a device id")
+    folder.add_argument("-o", "--output", help="file to write (default: predictions-<job id>.jsonl)")
+    folder.add_argument("--detach", action="store_true", help="print the job id and return at once")
+    folder.add_argument("--cancel-on-interrupt", action="store_true", help="on Ctrl-C cancel the job")
 
     alias = sub.add_parser("alias", parents=[common], help="stable names for trained jobs: set, get, list, "
                                                         "rollback, history, delete",

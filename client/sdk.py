@@ -195,16 +195,35 @@ class TorchyardClient:
                 if v is not None}
         return Evaluation.model_validate(self._request("POST", f"/jobs/{job_id}/evaluate", json=body).json())
 
+    def submit_predictions(self, dataset: str, *, job_id: str | None = None, alias: str | None = None,
+                           top_k: int = 5, batch_size: int | None = None, device: str | None = None,
+                           idempotency_key: str | None = None) -> Job:
+        """POST /jobs with kind predict: a succeeded job's model (or an alias's) over every image of an
+        uploaded dataset. The job's file is `download_results` once it succeeded; follow it with events()."""
+        body = {"kind": "predict", "job_id": job_id, "alias": alias, "dataset": dataset, "top_k": top_k,
+                "batch_size": batch_size, "device": device}
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key else {}
+        return Job.model_validate(self._request("POST", "/jobs", json={k: v for k, v in body.items() if v is not None},
+                                                headers=headers).json())
+
+    def download_results(self, job_id: str, target: str | Path) -> tuple[Path, str]:
+        """Stream a succeeded predict job's JSON lines to `target` (beside it, then renamed), checked
+        against the sha256 the server recorded. Returns (path, sha256)."""
+        return self._download(f"/jobs/{job_id}/results", target, "X-Results-SHA256", f"results of {job_id}")
+
     def evaluation(self, job_id: str, evaluation_id: str) -> Evaluation:
         return Evaluation.model_validate(self._request("GET", f"/jobs/{job_id}/evaluations/{evaluation_id}").json())
 
     def cancel(self, job_id: str) -> Job:
         return Job.model_validate(self._request("POST", f"/jobs/{job_id}/cancel").json())
 
-    def upload_dataset(self, path: str | Path, name: str | None = None) -> dict[str, Any]:
-        """Upload an ImageFolder zip, or a directory that is zipped here first (in a temp file)."""
+    def upload_dataset(self, path: str | Path, name: str | None = None, *, labeled: bool = True) -> dict[str, Any]:
+        """Upload an ImageFolder zip, or a directory that is zipped here first (in a temp file).
+        `labeled=False`: images at any depth without class folders (for predict jobs only)."""
         path = Path(path)
         data = {"name": name} if name else {}
+        if not labeled:
+            data["labels"] = "none"
         if path.is_dir():
             with tempfile.TemporaryFile() as archive:
                 if zip_directory(path, archive) == 0:
@@ -242,12 +261,15 @@ class TorchyardClient:
 
     def download_checkpoint(self, job_id: str, target: str | Path) -> tuple[Path, str]:
         """Stream the weights to `target` (written beside it, then renamed) and check the sha256."""
+        return self._download(f"/jobs/{job_id}/checkpoint", target, "X-Checkpoint-SHA256", f"checkpoint of {job_id}")
+
+    def _download(self, url: str, target: str | Path, sha_header: str, what: str) -> tuple[Path, str]:
         target = Path(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(target.name + ".part")
         digest = hashlib.sha256()
         try:
-            with self._http.stream("GET", f"/jobs/{job_id}/checkpoint") as response:
+            with self._http.stream("GET", url) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise ApiError(response.status_code, _detail(response))
@@ -255,13 +277,13 @@ class TorchyardClient:
                     for chunk in response.iter_bytes(1 << 20):
                         digest.update(chunk)
                         out.write(chunk)
-                expected = response.headers.get("X-Checkpoint-SHA256")
+                expected = response.headers.get(sha_header)
         except httpx.TransportError as exc:
             partial.unlink(missing_ok=True)
             raise ApiError(None, f"cannot reach torchyard at {self.url}: {exc}") from exc
         if expected and expected != digest.hexdigest():
             partial.unlink(missing_ok=True)
-            raise ApiError(None, f"checkpoint of {job_id} arrived corrupted (sha256 mismatch)")
+            raise ApiError(None, f"{what} arrived corrupted (sha256 mismatch)")
         partial.replace(target)
         return target, digest.hexdigest()
 

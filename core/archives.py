@@ -1,4 +1,5 @@
-"""Safe extraction of an uploaded dataset zip in ImageFolder layout (``<class>/<image>``).
+"""Safe extraction of an uploaded dataset zip: in ImageFolder layout (``<class>/<image>``), or
+unlabelled (images at any depth, kept at their paths: what a batch-prediction job labels).
 
 An upload is hostile until proven otherwise, so the archive is judged from its central
 directory before a single byte is written (size, entry count, compression ratio, names,
@@ -33,7 +34,7 @@ from PIL import Image, UnidentifiedImageError
 from core.errors import InvalidInput, TooLarge, UnsupportedMedia
 from core.images import IMAGE_FORMATS, IMAGE_FORMATS_TEXT, refused_format
 
-__all__ = ["ArchiveLimits", "ExtractedDataset", "SkippedFile", "extract_image_folder"]
+__all__ = ["ArchiveLimits", "ExtractedDataset", "SkippedFile", "extract_image_folder", "extract_images"]
 
 # Ratios are only meaningful for data big enough to hurt: tiny, highly compressible
 # files (a solid-colour BMP, a text file) legitimately compress far beyond any sane limit.
@@ -49,6 +50,9 @@ _SUPPORTED_METHODS = frozenset(
 )
 _NOT_A_ZIP = "the upload is not a zip archive (or its directory is corrupt)"
 _NO_CLASS = "no usable class: the zip must hold <class>/<image> folders with readable images"
+_NO_IMAGE = "no usable image: the zip holds no readable image in an accepted format"
+# An unlabelled upload keeps its folders; deeper than this is not a photo library, it is an attack.
+MAX_UNLABELED_DEPTH = 32
 
 # Image.MAX_IMAGE_PIXELS and the warnings filters are process-wide; this lock makes the
 # temporary swap in _pillow_limit safe against other extractions in other threads.
@@ -75,12 +79,14 @@ class SkippedFile:
 
 @dataclass(frozen=True)
 class ExtractedDataset:
-    """What ended up under ``dest``: an ImageFolder tree torchvision can read as is."""
+    """What ended up under ``dest``: an ImageFolder tree torchvision can read as is, or (unlabelled)
+    the archive's images at their own paths."""
 
-    classes: list[str]  # sorted class names that have >= 1 usable image
+    classes: list[str]  # sorted class names that have >= 1 usable image; [] when unlabelled
     class_counts: dict[str, int]
     num_images: int
     skipped: list[SkippedFile]
+    labeled: bool = True
 
 
 class _DamagedEntry(Exception):
@@ -110,6 +116,18 @@ def extract_image_folder(
     (not a zip), TooLarge (limits, zip bombs) or InvalidInput (unsafe entries, no usable
     class); on any error nothing is left on disk.
     """
+    return _extract_archive(archive, dest, limits, labeled=True)
+
+
+def extract_images(archive: BinaryIO | Path, dest: Path, limits: ArchiveLimits) -> ExtractedDataset:
+    """Like ``extract_image_folder`` for an unlabelled archive: every image at any depth (up to
+    MAX_UNLABELED_DEPTH folders) keeps its path, with the same checks, limits and decoding; what
+    is not an image in an accepted format is skipped and listed. InvalidInput when no image is left."""
+    return _extract_archive(archive, dest, limits, labeled=False)
+
+
+def _extract_archive(archive: BinaryIO | Path, dest: Path, limits: ArchiveLimits, *, labeled: bool
+                     ) -> ExtractedDataset:
     dest = Path(dest)
     if dest.exists() or dest.is_symlink():
         # The caller picks dest (a fresh dataset id), so this is a bug, not a user error.
@@ -120,11 +138,12 @@ def extract_image_folder(
         # Besides BadZipFile, a mangled directory surfaces as EOFError/ValueError, and a
         # name flagged UTF-8 that is not as UnicodeDecodeError.
         raise UnsupportedMedia(_NOT_A_ZIP) from exc
+    empty = _NO_CLASS if labeled else _NO_IMAGE
     with zf:
         members = _check_directory(zf.infolist(), limits)
-        plan, skipped = _plan_layout(members)
+        plan, skipped = _plan_layout(members) if labeled else _plan_unlabeled(members)
         if not plan:
-            raise InvalidInput(_NO_CLASS)
+            raise InvalidInput(empty)
         created_parents = _make_parents(dest.parent)
         tmp: Path | None = None
         try:
@@ -132,7 +151,7 @@ def extract_image_folder(
             counts, extract_skipped = _extract(zf, plan, tmp, limits)
             skipped.extend(extract_skipped)
             if not counts:
-                raise InvalidInput(_NO_CLASS)
+                raise InvalidInput(empty)
             # mkdtemp makes the root 0700; open it up like the class dirs under it.
             os.chmod(tmp, 0o755)
             if dest.exists() or dest.is_symlink():
@@ -143,6 +162,9 @@ def extract_image_folder(
                 shutil.rmtree(tmp, ignore_errors=True)
             _remove_empty(created_parents)
             raise
+    if not labeled:
+        return ExtractedDataset(classes=[], class_counts={}, num_images=sum(counts.values()), skipped=skipped,
+                                labeled=False)
     classes = sorted(counts)
     return ExtractedDataset(
         classes=classes,
@@ -234,7 +256,7 @@ def _is_junk(parts: tuple[str, ...]) -> bool:
     return any(part.startswith(".") or part.lower() in _JUNK_NAMES for part in parts)
 
 
-def _plan_layout(members: list[_Member]) -> tuple[list[tuple[_Member, str, str]], list[SkippedFile]]:
+def _plan_layout(members: list[_Member]) -> tuple[list[tuple[_Member, tuple[str, ...]]], list[SkippedFile]]:
     """Map each file to ``(member, class, filename)``; misplaced files become skipped.
 
     One common top-level folder (``PetImages/Cat/1.jpg``) is stripped when that puts more
@@ -250,7 +272,7 @@ def _plan_layout(members: list[_Member]) -> tuple[list[tuple[_Member, str, str]]
         if at_depth_if_stripped > at_depth_as_is:
             strip = 1
 
-    plan: list[tuple[_Member, str, str]] = []
+    plan: list[tuple[_Member, tuple[str, ...]]] = []
     skipped: list[SkippedFile] = []
     for m in files:
         parts = m.parts[strip:]
@@ -264,7 +286,23 @@ def _plan_layout(members: list[_Member]) -> tuple[list[tuple[_Member, str, str]]
         elif not _is_safe_component(parts[1]):
             skipped.append(SkippedFile(path, "file name is not usable"))
         else:
-            plan.append((m, parts[0], parts[1]))
+            plan.append((m, (parts[0], parts[1])))
+    return plan, skipped
+
+
+def _plan_unlabeled(members: list[_Member]) -> tuple[list[tuple[_Member, tuple[str, ...]]], list[SkippedFile]]:
+    """Every file at its own path (any depth); a name that cannot be created is skipped. The
+    counts of the extraction are kept under one key (there are no classes)."""
+    plan: list[tuple[_Member, tuple[str, ...]]] = []
+    skipped: list[SkippedFile] = []
+    for m in (m for m in members if not _is_junk(m.parts)):
+        path = m.info.orig_filename
+        if len(m.parts) > MAX_UNLABELED_DEPTH:
+            skipped.append(SkippedFile(path, f"nested deeper than {MAX_UNLABELED_DEPTH} folders"))
+        elif not all(_is_safe_component(part) for part in m.parts):
+            skipped.append(SkippedFile(path, "file or folder name is not usable"))
+        else:
+            plan.append((m, m.parts))
     return plan, skipped
 
 
@@ -284,19 +322,27 @@ def _is_safe_component(part: str) -> bool:
 
 def _extract(
     zf: zipfile.ZipFile,
-    plan: list[tuple[_Member, str, str]],
+    plan: list[tuple[_Member, tuple[str, ...]]],
     root: Path,
     limits: ArchiveLimits,
 ) -> tuple[dict[str, int], list[SkippedFile]]:
-    """Stream each planned file under ``root``, keep it only if Pillow decodes it fully."""
+    """Stream each planned file under ``root`` at its planned path, keep it only if Pillow decodes
+    it fully. Counts are per first path component (the class, in ImageFolder layout)."""
     counts: dict[str, int] = {}
     skipped: list[SkippedFile] = []
     written_total = 0
-    for member, cls, filename in plan:
-        class_dir = root / cls
-        class_dir.mkdir(exist_ok=True)
-        target = class_dir / filename
+    for member, parts in plan:
+        cls = parts[0]
+        target = root.joinpath(*parts)
         path = member.info.orig_filename
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            skipped.append(SkippedFile(path, "a folder of its path is also a file in the zip"))
+            continue
+        if target.exists():  # `a/b` as a file after `a/b/c`: never overwrite, never follow
+            skipped.append(SkippedFile(path, "a file of the same path is already in the zip"))
+            continue
         try:
             written_total = _copy_member(zf, member.info, target, written_total, limits)
         except _DamagedEntry as exc:
@@ -311,10 +357,17 @@ def _extract(
             skipped.append(SkippedFile(path, reason))
             continue
         counts[cls] = counts.get(cls, 0) + 1
-    for child in root.iterdir():
-        if child.name not in counts:
-            child.rmdir()  # a class folder whose every file was skipped
+    _prune_empty_dirs(root)  # folders whose every file was skipped
     return counts, skipped
+
+
+def _prune_empty_dirs(root: Path) -> None:
+    for directory, _, _ in sorted(os.walk(root), key=lambda entry: -len(entry[0])):
+        if Path(directory) != root:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                pass  # not empty
 
 
 def _copy_member(

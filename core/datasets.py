@@ -13,7 +13,7 @@ import redis
 from pydantic import BaseModel
 
 from core import keys
-from core.archives import ArchiveLimits, extract_image_folder
+from core.archives import ArchiveLimits, extract_image_folder, extract_images
 from core.clock import utc_now_iso
 from core.config import Settings
 from core.errors import Conflict, InvalidInput, NotFound
@@ -65,6 +65,8 @@ class DatasetRecord(BaseModel):
     created_at: str | None = None
     description: str | None = None
     available: bool = True
+    # False: an upload of images without class folders (`labels=none`): batch predictions only.
+    labeled: bool = True
 
 
 BUILTINS: dict[str, DatasetRecord] = {
@@ -181,8 +183,10 @@ class DatasetCatalog:
         raw = self.redis.get(keys.dataset_last_used(dataset_id))
         return float(raw) if raw else None
 
-    def upload(self, archive: BinaryIO | Path, name: str | None) -> DatasetRecord:
-        """Extract safely into the data dir, then record. Nothing is recorded for a refused zip."""
+    def upload(self, archive: BinaryIO | Path, name: str | None, *, labeled: bool = True) -> DatasetRecord:
+        """Extract safely into the data dir, then record. Nothing is recorded for a refused zip.
+        Unlabelled (`labeled=False`): images at any depth, kept at their paths, no classes; such a
+        set can only be predicted on, and the record says so (training and evaluation refuse it)."""
         if name is not None and not (0 < len(name) <= 200):
             raise InvalidInput("name must be 1 to 200 characters")
         dataset_id = f"ds{secrets.token_hex(8)}"
@@ -192,11 +196,14 @@ class DatasetCatalog:
             max_ratio=self.settings.max_zip_ratio,
             max_image_pixels=self.settings.max_image_pixels,
         )
-        extracted = extract_image_folder(archive, self.settings.datasets_dir / dataset_id, limits)
+        extract = extract_image_folder if labeled else extract_images
+        extracted = extract(archive, self.settings.datasets_dir / dataset_id, limits)
         record = DatasetRecord(
-            id=dataset_id, name=name or dataset_id, kind="upload", classes=extracted.classes,
-            num_images=extracted.num_images, class_counts=extracted.class_counts,
+            id=dataset_id, name=name or dataset_id, kind="upload",
+            classes=extracted.classes if labeled else None, num_images=extracted.num_images,
+            class_counts=extracted.class_counts if labeled else None,
             skipped=[{"path": s.path, "reason": s.reason} for s in extracted.skipped], created_at=utc_now_iso(),
+            labeled=labeled,
         )
         pipe = self.redis.pipeline()
         pipe.set(keys.dataset(dataset_id), record.model_dump_json())

@@ -19,6 +19,7 @@ from core.jobs import JobStore
 from core.lineage import record_dependent
 from core.schemas import EvaluateSpec, Evaluation, Job, JobKind, JobStatus
 from core.storage import CheckpointPaths
+from core.submission import unlabeled_message
 
 # GET /jobs/{id} shows this many of a job's evaluations, newest first.
 LISTED_EVALUATIONS = 50
@@ -44,6 +45,8 @@ class Evaluations:
         dataset = self.catalog.resolve(spec.dataset)
         if not dataset.available:
             raise InvalidInput(f"dataset {dataset.id} is not available: {dataset.description}")
+        if not dataset.labeled:
+            raise InvalidInput(unlabeled_message(dataset, "evaluate against"))
         _check_classes(trained, dataset)
         device = self.devices.validate_request(spec.device)
         job, created = self.store.create(model=trained.model, dataset=dataset.id,

@@ -11,8 +11,8 @@ stay; the first that says why answers 409 with that reason. The protections toda
 Other modules add theirs with `JobDeletion.protect` (a function of the job that returns a reason
 or None): #16 adds "an alias points at this job", for instance. The record, its events and its
 index entries go in one Redis transaction (JobStore.delete); then its files (the job's directory
-under checkpoints/: model.pt, resume.pt, exports). A crash between the two leaves an orphan
-directory, which the cleanup removes.
+under checkpoints/: model.pt, resume.pt, exports, a predict job's results.jsonl). A crash between
+the two leaves an orphan directory, which the cleanup removes.
 
 The cleanup (`Retention.run_once`), every `cleanup_interval_s` in one API process at a time (a
 Redis key with that TTL decides which): finished jobs past their keep_*_days, the event history of

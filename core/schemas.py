@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 
 class JobStatus(StrEnum):
@@ -83,11 +83,65 @@ class EvaluateSpec(BaseModel):
     batch_size: int | None = Field(default=None, ge=1, le=8192, description="Default: 256.")
 
 
+class PredictSpec(BaseModel):
+    """POST /jobs with `"kind": "predict"`: a succeeded training job's model (by id or alias) over every
+    image of an uploaded dataset → a JSON-lines results file (GET /jobs/{id}/results)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal[JobKind.predict]
+    job_id: str | None = Field(default=None, min_length=1, max_length=128, description="A succeeded training job.")
+    alias: str | None = Field(default=None, min_length=1, max_length=128, description="An alias, resolved once at "
+                              "submit (the job records the training job it named then).")
+    dataset: str = Field(min_length=1, max_length=200, description="An uploaded dataset's id or unique name, "
+                                                                    "labelled (ImageFolder) or not.")
+    top_k: int = Field(default=5, ge=1, le=1000, description="Predictions per image, at most the model's classes.")
+    batch_size: int | None = Field(default=None, ge=1, le=8192, description="Default: 64 on a CPU, 256 on a GPU.")
+    device: str = Field(default="auto", max_length=200, description='"auto", "cuda", "cpu" or a device id.')
+
+    @model_validator(mode="after")
+    def _one_model(self) -> PredictSpec:
+        if (self.job_id is None) == (self.alias is None):
+            raise ValueError("give exactly one of job_id and alias")
+        return self
+
+
+def _spec_kind(value: Any) -> str:
+    """POST /jobs' body is a training job unless it says otherwise (`kind` may be left out)."""
+    kind = value.get("kind", JobKind.train) if isinstance(value, dict) else getattr(value, "kind", JobKind.train)
+    return str(kind.value if isinstance(kind, JobKind) else kind)
+
+
+# What POST /jobs accepts: a training job (the default kind) or a batch-prediction job.
+JobRequest = Annotated[Annotated[JobSpec, Tag(JobKind.train.value)] | Annotated[PredictSpec, Tag(JobKind.predict.value)],
+                       Discriminator(_spec_kind)]
+
+
 class Progress(BaseModel):
     epoch: int = 0
     epochs: int = 0
     step: int = 0
     steps: int = 0
+    # A batch-prediction job's (epoch 1/1, step = images done): images/s over this delivery's run.
+    images_done: int | None = None
+    images_total: int | None = None
+    images_per_second: float | None = None
+
+
+class PredictSummary(BaseModel):
+    """How a batch-prediction job went (Job.results); the file is GET /jobs/{id}/results."""
+
+    trained_job: str
+    alias: str | None = None
+    images: int  # lines in the file: one per image of the dataset
+    errors: int  # lines with an `error` (an image that could not be decoded)
+    top_k: int
+    labeled: bool  # lines carry the true `label` (the dataset's class folder)
+    accuracy: float | None = None  # labelled datasets: top-1 on the images that decoded
+    seconds: float  # this delivery's run
+    images_per_second: float  # this delivery's images over its run
+    resumed_from_image: int | None = None  # a redelivery continued after this many images
+    url: str
 
 
 class EpochMetrics(BaseModel):
@@ -177,6 +231,7 @@ class Job(BaseModel):
         default=None, description="train: the validation split on the kept weights; evaluate: the result.")
     evaluations: list[Evaluation] | None = Field(
         default=None, description="GET /jobs/{id} of a training job: its evaluations, newest first.")
+    results: PredictSummary | None = Field(default=None, description="A succeeded predict job: its results file.")
 
 
 class JobList(BaseModel):

@@ -89,9 +89,16 @@ class JobSubmission:
         return live or matching
 
 
+def unlabeled_message(dataset: DatasetRecord, action: str) -> str:
+    return (f"dataset {dataset.id} ({dataset.name}) is unlabelled (uploaded with labels=none): there are no classes "
+            f"to {action}; run a predict job on it, or upload it as <class>/<image> folders")
+
+
 def _check_trainable(dataset: DatasetRecord, val_fraction: float) -> None:
     if not dataset.available:
         raise InvalidInput(f"dataset {dataset.id} is not available: {dataset.description}")
+    if not dataset.labeled:
+        raise InvalidInput(unlabeled_message(dataset, "train on"))
     if dataset.num_images:
         n_train, n_val = split_sizes(dataset.num_images, val_fraction)
         if n_train < 1:

@@ -29,6 +29,7 @@ from worker.device_health import DeviceHealth
 from worker.evaluate_job import run_evaluate_job
 from worker.export_job import run_export_job
 from worker.job_context import JobContext, JobFailed, JobHandler, StopJob
+from worker.predict_job import run_predict_job
 from worker.state import WorkerState
 from worker.train_job import run_train_job
 from worker.trainer import NonFiniteLoss
@@ -40,6 +41,7 @@ HANDLERS: dict[JobKind, JobHandler] = {
     JobKind.train: run_train_job,
     JobKind.export: run_export_job,
     JobKind.evaluate: run_evaluate_job,
+    JobKind.predict: run_predict_job,
 }
 # Failures whose message says it all: no traceback in the log, the message is the job's error.
 _KNOWN_FAILURES = (JobFailed, DatasetUnavailable, NonFiniteLoss, CheckpointError, NotFound)

@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 
 from app.api.predictions import PredictionClient
 from core.aliases import AliasService, AliasStore, job_is_aliased
+from core.batch_predict import BatchPredictions
 from core.config import Settings
 from core.datasets import DatasetCatalog
 from core.devices import DeviceRegistry
@@ -40,6 +41,7 @@ class Services:
     deletion: JobDeletion
     retention: Retention
     evaluations: Evaluations
+    batch_predictions: BatchPredictions
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -61,7 +63,9 @@ class Services:
                    JobSubmission(jobs, datasets, devices, settings), predictions, aliases=aliases,
                    exports=ExportCatalog(client, jobs, CheckpointPaths(settings.checkpoints_dir)),
                    deletion=deletion, retention=Retention(settings, client, jobs, datasets, deletion),
-                   evaluations=Evaluations(jobs, datasets, devices, CheckpointPaths(settings.checkpoints_dir)))
+                   evaluations=Evaluations(jobs, datasets, devices, CheckpointPaths(settings.checkpoints_dir)),
+                   batch_predictions=BatchPredictions(jobs, datasets, devices,
+                                                      CheckpointPaths(settings.checkpoints_dir)))
 
     async def close(self) -> None:
         await self.predictions.close()

@@ -543,6 +543,10 @@ function jobMeta(job) {
     if (p.pretrained) parts.push("from ImageNet weights");
     if (job.best_epoch) parts.push(`weights of epoch ${job.best_epoch}`);
     if (job.stop_reason) parts.push(job.stop_reason);
+  } else if (job.kind === "predict") {
+    parts.push(`labels ${p.images ?? "?"} images with job ${shortId(p.trained_job)}` + (p.alias ? ` (alias ${p.alias})` : ""), `top ${p.top_k}`);
+    if (job.progress && job.progress.images_per_second) parts.push(`${Math.round(job.progress.images_per_second)} images/s`);
+    if (job.results) parts.push(`${job.results.errors} unreadable · results: ${job.results.url}`);
   } else if (p.trained_job) {
     parts.push(`evaluates job ${shortId(p.trained_job)}`);
   }

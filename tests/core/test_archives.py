@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from core.archives import ArchiveLimits, ExtractedDataset, SkippedFile, extract_image_folder
+from core.archives import ArchiveLimits, ExtractedDataset, SkippedFile, extract_image_folder, extract_images
 from core.errors import InvalidInput, TooLarge, UnsupportedMedia
 
 LIMITS = ArchiveLimits(
@@ -317,3 +317,42 @@ def test_dest_must_not_exist(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError):
         extract_image_folder(archive, tmp_path / "taken", LIMITS)
     assert _listing(tmp_path) == {"ok.zip", "taken"}
+
+
+# --- unlabelled uploads (batch predictions) -------------------------------------------------
+
+
+def test_unlabeled_keeps_images_at_any_depth_and_skips_what_is_not_one(tmp_path: Path, dest: Path) -> None:
+    archive = _zip(tmp_path / "flat.zip", [
+        ("a.png", PNG), ("b.jpg", JPEG), ("deep/er/c.png", PNG), ("notes.txt", b"hello"),
+        ("bad.jpg", TRUNCATED_JPEG), ("__MACOSX/._a.png", b"junk"), (".hidden.png", PNG), ("empty/", b""),
+    ])
+    result = extract_images(archive, dest, LIMITS)
+    assert result.labeled is False and result.classes == [] and result.class_counts == {}
+    assert result.num_images == 3
+    assert _listing(dest) == {"a.png", "b.jpg", "deep", "deep/er", "deep/er/c.png"}
+    assert {s.path for s in result.skipped} == {"notes.txt", "bad.jpg"}
+
+
+def test_unlabeled_refuses_hostile_entries_like_a_labelled_upload(tmp_path: Path, dest: Path) -> None:
+    for evil in ("../escape.png", "/abs.png", "x/../../y.png"):
+        archive = _zip(tmp_path / "evil.zip", [("ok.png", PNG), (evil, PNG)])
+        with pytest.raises(InvalidInput):
+            extract_images(archive, dest, LIMITS)
+        assert not dest.exists()
+    link = zipfile.ZipInfo("ok/link.png")
+    link.external_attr = (stat.S_IFLNK | 0o777) << 16
+    archive = _zip(tmp_path / "link.zip", [("ok.png", PNG), (link, b"/etc/passwd")])
+    with pytest.raises(InvalidInput, match="symbolic link"):
+        extract_images(archive, dest, LIMITS)
+    too_many = _zip(tmp_path / "many.zip", [(f"{k}.png", PNG) for k in range(LIMITS.max_entries + 1)])
+    with pytest.raises(TooLarge):
+        extract_images(too_many, dest, LIMITS)
+
+
+def test_unlabeled_with_no_image_is_refused_and_a_file_folder_clash_is_skipped(tmp_path: Path, dest: Path) -> None:
+    with pytest.raises(InvalidInput, match="no usable image"):
+        extract_images(_zip(tmp_path / "none.zip", [("a.txt", b"text")]), dest, LIMITS)
+    assert not dest.exists()
+    clash = extract_images(_zip(tmp_path / "clash.zip", [("a", PNG), ("a/b.png", PNG)]), dest, LIMITS)
+    assert clash.num_images == 1 and [s.path for s in clash.skipped] == ["a/b.png"]

@@ -15,8 +15,11 @@ router = APIRouter(tags=["datasets"])
 _BODY = {"required": True, "content": {"multipart/form-data": {"schema": {
     "type": "object", "required": ["file"],
     "properties": {
-        "file": {"type": "string", "format": "binary", "description": "ImageFolder zip"},
+        "file": {"type": "string", "format": "binary", "description": "ImageFolder zip (or any zip of images "
+                                                                         "with labels=none)"},
         "name": {"type": "string", "minLength": 1, "maxLength": 200},
+        "labels": {"type": "string", "enum": ["folders", "none"], "default": "folders",
+                   "description": "none: images at any depth, no classes (batch predictions only)"},
     }}}}}
 
 
@@ -24,14 +27,18 @@ _BODY = {"required": True, "content": {"multipart/form-data": {"schema": {
              responses={413: {"description": "over a size limit"}, 415: {"description": "not a zip"},
                         422: {"description": "malformed form or unusable archive"}})
 async def upload_dataset(services: ServicesDep, request: Request) -> DatasetRecord:
-    """Upload an ImageFolder zip (`<class>/<image>`); unreadable images are skipped and listed."""
+    """Upload an ImageFolder zip (`<class>/<image>`), or with `labels=none` a zip of unlabelled images at
+    any depth; unreadable images are skipped and listed."""
     catalog = services.datasets
     upload = await stream_upload(request, catalog.new_upload_path(), max_file_bytes=services.settings.max_upload_bytes)
     try:
         name = upload.fields.get("name") or None
         if name is not None and len(name) > 200:
             raise InvalidInput("name: at most 200 characters")
-        return await run_in_threadpool(catalog.upload, upload.path, name)
+        labels = upload.fields.get("labels") or "folders"
+        if labels not in ("folders", "none"):
+            raise InvalidInput(f"labels: {labels!r} is neither 'folders' (ImageFolder) nor 'none' (unlabelled)")
+        return await run_in_threadpool(lambda: catalog.upload(upload.path, name, labeled=labels == "folders"))
     finally:
         upload.path.unlink(missing_ok=True)
 

@@ -8,8 +8,9 @@ from sse_starlette import EventSourceResponse
 
 from app.api.deps import ServicesDep
 from app.api.sse import job_event_response, parse_last_event_id
+from core.batch_predict import RESULTS_MEDIA_TYPE, download_name
 from core.errors import NotFound
-from core.schemas import EvaluateSpec, Evaluation, Job, JobList, JobSpec, JobStatus
+from core.schemas import EvaluateSpec, Evaluation, Job, JobList, JobRequest, JobStatus, PredictSpec
 from core.storage import CheckpointPaths
 
 router = APIRouter(tags=["jobs"])
@@ -17,9 +18,13 @@ router = APIRouter(tags=["jobs"])
 
 @router.post("/jobs", status_code=202, response_model=Job,
              responses={200: {"description": "An earlier request with this Idempotency-Key", "model": Job}})
-def create_job(services: ServicesDep, spec: JobSpec, response: Response,
+def create_job(services: ServicesDep, spec: JobRequest, response: Response,
                idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> Job:
-    job, created = services.submission.submit(spec, idempotency_key)
+    """A training job (`kind` left out or "train"), or a batch-prediction job (`"kind": "predict"`)."""
+    if isinstance(spec, PredictSpec):
+        job, created = services.batch_predictions.submit(spec, idempotency_key)
+    else:
+        job, created = services.submission.submit(spec, idempotency_key)
     services.devices.annotate([job])
     services.datasets.annotate([job])
     response.status_code = 202 if created else 200
@@ -89,3 +94,14 @@ def evaluate_job(services: ServicesDep, job_id: str, spec: EvaluateSpec, respons
 @router.get("/jobs/{job_id}/evaluations/{evaluation_id}", response_model=Evaluation)
 def get_evaluation(services: ServicesDep, job_id: str, evaluation_id: str) -> Evaluation:
     return services.evaluations.get(job_id, evaluation_id)
+
+
+@router.get("/jobs/{job_id}/results", response_class=FileResponse,
+            responses={200: {"content": {RESULTS_MEDIA_TYPE: {}},
+                             "description": "One JSON object per line and per image, in the dataset's sorted order"},
+                       404: {"description": "no such predict job"}, 409: {"description": "not succeeded (yet)"}})
+def download_results(services: ServicesDep, job_id: str) -> FileResponse:
+    """A succeeded predict job's results file (core/batch_predict.py), streamed from disk."""
+    job, path = services.batch_predictions.results_file(job_id)
+    headers = {"X-Results-SHA256": job.checkpoint.sha256} if job.checkpoint else None
+    return FileResponse(path, media_type=RESULTS_MEDIA_TYPE, filename=download_name(job), headers=headers)

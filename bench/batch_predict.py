@@ -1,0 +1,207 @@
+"""Batch predictions against their floor: a `predict` job over 10,000 32×32 PNGs through a real
+stack (embedded Redis, API, one CPU worker), end to end, against the raw batched forward of the
+same checkpoint (batch 32, in a fresh subprocess, the best of 1 and 2 torch threads).
+
+    .venv/bin/python bench/batch_predict.py [--images 10000] [--models cifar_net resnet18]
+
+End to end is POST /jobs → the job's terminal status event on its event stream (queueing,
+model load, listing, decoding, forward, writing and fsyncing the lines, promotion); the handler's
+own rate (its `results.images_per_second`) is shown beside it. Prints a markdown table."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+SIZE = 32
+RAW_BATCH = 32
+
+
+def make_checkpoint(data_dir: Path, model_name: str) -> tuple[str, Path]:
+    """A trained-looking checkpoint at 32×32 (random weights: speed does not depend on them)."""
+    import torch
+
+    from core.storage import CheckpointPaths
+    from models.registry import build_model
+    from worker.checkpoint import ModelMeta, Preprocessing, save_model
+
+    job_id = f"bench-{model_name.replace('_', '-')}"
+    torch.manual_seed(0)
+    model = build_model(model_name, 10).eval()
+    meta = ModelMeta(model_name, 10, [f"class{i}" for i in range(10)],
+                     Preprocessing(3, SIZE, SIZE, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)), job_id)
+    path = CheckpointPaths(data_dir / "checkpoints").final(job_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_model(path, model, meta)
+    return job_id, path
+
+
+def images_zip(n: int) -> bytes:
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED) as archive:
+        for k in range(n):
+            out = io.BytesIO()
+            Image.fromarray(rng.integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)).save(out, format="PNG")
+            archive.writestr(f"batch{k // 1000:02d}/img{k:05d}.png", out.getvalue())
+    return buffer.getvalue()
+
+
+def raw_floor_child(checkpoint: str, threads: int, seconds: float) -> None:
+    """In a fresh process: images/s of softmax(model(normalize(x))) on a uint8 batch of RAW_BATCH."""
+    import torch
+
+    from worker.checkpoint import load_model
+    from worker.preprocess import normalize, stats_tensors
+
+    torch.set_num_threads(threads)
+    model, meta = load_model(Path(checkpoint), "cpu")
+    mean, std = stats_tensors(meta.preprocessing, "cpu")
+    x = torch.randint(0, 256, (RAW_BATCH, 3, SIZE, SIZE), dtype=torch.uint8)
+    times: list[float] = []
+    with torch.inference_mode():
+        for _ in range(20):
+            torch.softmax(model(normalize(x, mean, std)), dim=1)
+        stop = time.perf_counter() + seconds
+        while time.perf_counter() < stop:
+            t0 = time.perf_counter()
+            torch.softmax(model(normalize(x, mean, std)), dim=1)
+            times.append(time.perf_counter() - t0)
+    print(json.dumps({"threads": threads, "images_s": RAW_BATCH / statistics.mean(times)}))
+
+
+def raw_floor(checkpoint: Path, seconds: float) -> dict[str, float]:
+    """The best of 1 and 2 torch threads, each in a fresh subprocess (OMP_WAIT_POLICY as the worker's)."""
+    runs = {}
+    for threads in (1, 2):
+        out = subprocess.run([sys.executable, __file__, "--raw-floor", str(checkpoint), str(threads), str(seconds)],
+                             cwd=REPO, env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, capture_output=True,
+                             text=True, check=True)
+        runs[threads] = json.loads(out.stdout.strip().splitlines()[-1])["images_s"]
+    best = max(runs, key=lambda t: runs[t])
+    return {"images_s": runs[best], "threads": best, **{f"t{t}": v for t, v in runs.items()}}
+
+
+def wait_for_end(client: Any, job_id: str) -> None:
+    """Block on the job's server-sent events until its terminal status event."""
+    with client.stream("GET", f"/jobs/{job_id}/events", timeout=None) as stream:
+        kind = None
+        for line in stream.iter_lines():
+            if line.startswith("event:"):
+                kind = line.split(":", 1)[1].strip()
+            elif (line.startswith("data:") and kind == "status"
+                  and json.loads(line.split(":", 1)[1]).get("status") in ("succeeded", "failed", "cancelled")):
+                return
+
+
+def run(args: argparse.Namespace) -> str:
+    import httpx
+    import redis
+
+    from app.embedded_redis import EmbeddedRedis
+    from core import keys
+    from core.clock import utc_now_iso
+    from tests.support import Processes, free_port, with_db
+
+    load_start = os.getloadavg()
+    work = Path(tempfile.mkdtemp(prefix="torchyard-bench-batch-"))
+    data_dir = work / "data"
+    checkpoints = {m: make_checkpoint(data_dir, m) for m in args.models}
+    archive = images_zip(args.images)
+
+    redis_server = EmbeddedRedis(work / "redis")
+    redis_server.start()
+    url = with_db(redis_server.url, 0)
+    store = redis.Redis.from_url(url)
+    for model, (job_id, _) in checkpoints.items():  # a succeeded training job owning each checkpoint
+        store.hset(keys.job(job_id), mapping={
+            "id": job_id, "kind": "train", "status": "succeeded", "model": model, "dataset": "fake",
+            "params": "{}", "created_at": utc_now_iso(), "classes": json.dumps([f"class{i}" for i in range(10)])})
+    procs = Processes(url, data_dir, work / "logs", TORCHYARD_HEARTBEAT_INTERVAL_S="1", TORCHYARD_HEARTBEAT_TTL_S="5")
+    port = free_port()
+    rows = []
+    try:
+        procs.worker("cpu")
+        procs.api(port)
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if client.get("/readyz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        uploaded = client.post("/datasets", data={"labels": "none", "name": "bench"},
+                               files={"file": ("images.zip", archive, "application/zip")})
+        uploaded.raise_for_status()
+        dataset = uploaded.json()["id"]
+        # Floor and job back to back, `repeats` times per model: a shared host's changing load hits
+        # both sides of each ratio alike; the medians are reported.
+        for model, (job_id, path) in checkpoints.items():
+            floors, walls, handlers = [], [], []
+            for _ in range(args.repeats):
+                floors.append(raw_floor(path, args.seconds))
+                start = time.perf_counter()
+                job = client.post("/jobs", json={"kind": "predict", "job_id": job_id, "dataset": dataset}).json()
+                wait_for_end(client, job["id"])  # the event stream, not polling: a poll costs the API CPU
+                walls.append(time.perf_counter() - start)
+                record = client.get(f"/jobs/{job['id']}").json()
+                if record["status"] != "succeeded":
+                    raise RuntimeError(f"{model}: the predict job {record['status']}: {record.get('error')}")
+                handlers.append(record["results"]["images_per_second"])
+                print(f"{model}: floor {floors[-1]}, end to end {args.images / walls[-1]:.0f}/s ({walls[-1]:.2f} s), "
+                      f"handler {handlers[-1]:.0f}/s, load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+            floor = {key: statistics.median(f[key] for f in floors) for key in ("images_s", "t1", "t2")}
+            floor["threads"] = 1 if floor["t1"] >= floor["t2"] else 2
+            wall = statistics.median(walls)
+            rows.append((model, floor, args.images / wall, statistics.median(handlers), wall))
+    finally:
+        procs.stop_all()
+        redis_server.stop()
+        shutil.rmtree(work, ignore_errors=True)  # 10,000 images, twice (the zip's and the dataset's)
+    load_end = os.getloadavg()
+    lines = [f"Batch predictions, {args.images:,} {SIZE}×{SIZE} PNGs, one CPU worker ({os.cpu_count()} cores), "
+             f"default batch (64), medians of {args.repeats} floor + job pairs; load average {load_start[0]:.2f} "
+             f"before, {load_end[0]:.2f} after.", "",
+             "| model | raw forward, batch 32 (best of 1 and 2 threads) | predict job, end to end | ratio | handler's own "
+             "rate |",
+             "|---|---|---|---|---|"]
+    for model, floor, end_to_end, handler, wall in rows:
+        lines.append(f"| {model} | {floor['images_s']:,.0f} img/s ({floor['threads']} thr; 1: {floor['t1']:,.0f}, "
+                     f"2: {floor['t2']:,.0f}) | {end_to_end:,.0f} img/s ({wall:.2f} s) | "
+                     f"{end_to_end / floor['images_s']:.2f}× | {handler:,.0f} img/s |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--raw-floor":
+        raw_floor_child(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--images", type=int, default=10_000)
+    parser.add_argument("--models", nargs="+", default=["cifar_net", "resnet18"])
+    parser.add_argument("--seconds", type=float, default=4.0, help="per raw-forward measurement")
+    parser.add_argument("--repeats", type=int, default=3, help="floor + job pairs per model (medians reported)")
+    print(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""The batch-prediction handler's pieces: the files' one order, the lines, the resume point, and
+the decode of real image files beside the forward (worker/predict_job.py)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from worker.checkpoint import ModelMeta, Preprocessing
+from worker.inference import decode_image
+from worker.predict_job import (
+    ResumePoint,
+    copy_prefix,
+    decoded_batches,
+    encode_labels,
+    error_line,
+    list_images,
+    result_line,
+    thread_split,
+    true_label,
+)
+
+META = ModelMeta("cifar_net", 3, ["cat", "dog", "eel"], Preprocessing(3, 16, 16, (0.5,) * 3, (0.25,) * 3), "job")
+
+
+def _write(path: Path, fmt: str, seed: int, size: tuple[int, int] = (20, 12)) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(path, format=fmt)
+
+
+def test_list_images_is_sorted_relative_and_skips_dotfiles(tmp_path: Path) -> None:
+    for name in ("b/2.png", "a.png", "b/10.png", "c/d/e.jpg", ".cache/x.png", "b/.DS_Store"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"x")
+    assert list_images(tmp_path) == ["a.png", "b/10.png", "b/2.png", "c/d/e.jpg"]
+    assert true_label("b/10.png") == "b"
+
+
+def test_lines_are_json_with_predictions_best_first() -> None:
+    labels = encode_labels(META.classes)
+    line = result_line("cat/1.png", [0.7, 0.2], [0, 2], labels, label="cat")
+    assert line.endswith(b"\n") and line.count(b"\n") == 1
+    assert json.loads(line) == {"file": "cat/1.png", "label": "cat", "predictions": [
+        {"label": "cat", "index": 0, "probability": 0.7}, {"label": "eel", "index": 2, "probability": 0.2}]}
+    # Byte for byte what json.dumps writes, odd names and non-finite numbers included.
+    odd = ["caf\u00e9 \"q\"", "back\\slash", "tab\t"]
+    for values in ([0.123456789012345, 1e-12], [float("nan"), float("inf")]):
+        got = result_line('we"ird\\name.png', values, [2, 0], encode_labels(odd), label="\u00e9")
+        expected = {"file": 'we"ird\\name.png', "label": "\u00e9", "predictions": [
+            {"label": odd[i], "index": i, "probability": p} for p, i in zip(values, [2, 0], strict=True)]}
+        assert got == (json.dumps(expected, separators=(",", ":")) + "\n").encode()
+    assert json.loads(error_line("x\n.png", "cannot decode image: truncated")) == {
+        "file": "x\n.png", "error": "cannot decode image: truncated"}  # a newline in a name stays in its line
+
+
+def test_resume_point_parses_what_it_recorded_and_refuses_garbage() -> None:
+    point = ResumePoint(images=5, bytes=100, total=9, errors=1, correct=3)
+    assert ResumePoint.parse(json.dumps(point.__dict__)) == point
+    for raw in (None, "", "not json", "{}", '{"images": "x", "bytes": 1, "total": 2}'):
+        assert ResumePoint.parse(raw) is None
+
+
+def test_copy_prefix_takes_exactly_the_recorded_lines(tmp_path: Path) -> None:
+    source = tmp_path / "a.jsonl"
+    lines = [result_line(f"{k}.png", [1.0], [0], encode_labels(META.classes)) for k in range(4)]
+    source.write_bytes(b"".join(lines) + b'{"file": "half-writ')  # what a SIGKILL leaves after the point
+    out = io.BytesIO()
+    assert copy_prefix(source, out, ResumePoint(images=3, bytes=sum(map(len, lines[:3])), total=4))
+    assert out.getvalue() == b"".join(lines[:3])
+    # A point that does not match the file (fewer bytes, other line count), or no file: start over.
+    assert not copy_prefix(source, io.BytesIO(), ResumePoint(images=2, bytes=sum(map(len, lines[:3])), total=4))
+    assert not copy_prefix(source, io.BytesIO(), ResumePoint(images=9, bytes=10_000, total=9))
+    assert not copy_prefix(tmp_path / "gone.jsonl", io.BytesIO(), ResumePoint(images=0, bytes=0, total=1))
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_decoded_batches_keep_the_order_and_report_what_does_not_decode(tmp_path: Path, workers: int) -> None:
+    names = [f"img{k:02d}.{'jpg' if k % 3 == 0 else 'png'}" for k in range(11)]
+    for k, name in enumerate(names):
+        _write(tmp_path / name, "JPEG" if name.endswith("jpg") else "PNG", k)
+    (tmp_path / "img05.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"broken" * 4)
+    files = list_images(tmp_path)
+    batches = list(decoded_batches(tmp_path, files, META, 10**6, 4, start=2, workers=workers))
+    assert [b.start for b in batches] == [2, 6, 10]
+    assert [f for b in batches for f in b.files] == files[2:]
+    broken = batches[0]
+    assert list(broken.errors) == [3] and "cannot decode image" in broken.errors[3]
+    assert broken.images is not None and broken.images.shape == (3, 3, 16, 16) and broken.images.dtype == torch.uint8
+    # A file gone from the disk is an error line that does not show the server's paths.
+    (tmp_path / files[-1]).unlink()
+    [last] = list(decoded_batches(tmp_path, files, META, 10**6, 4, start=10, workers=workers))
+    assert last.images is None and last.errors == {0: "cannot read the file: No such file or directory"}
+    # Each image is exactly /predict's decode of that file.
+    expected = [decode_image((tmp_path / f).read_bytes(), META, 10**6) for f in files[2:6] if f != "img05.png"]
+    assert torch.equal(broken.images, torch.from_numpy(np.stack(expected)))
+
+
+def test_thread_split_leaves_the_forward_a_core() -> None:
+    assert thread_split(False, 2) == (1, 1)
+    assert thread_split(False, 16) == (8, 8)
+    assert thread_split(False, 1) == (1, 1)
+    assert thread_split(True, 16) == (8, 1)
