@@ -45,10 +45,13 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
     from core.errors import DeviceInUse
     from worker.device import DeviceChoice, PinningError, exec_pinned, is_pinned, resolve_worker_device
 
-    # OpenMP threads that sleep when idle instead of spinning: a worker shares its CPUs with the
-    # API and Redis (and on a CPU device its inference thread shares them with training); spinning
-    # made /predict ~10x slower on a 2-core host. Set it before torch loads libgomp; env overrides.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenMP threads spin a while after each parallel region before they sleep. A short spin keeps
+    # training's back-to-back operators fast (`OMP_WAIT_POLICY=PASSIVE`, no spin at all, cost a
+    # CPU training loop a third of its speed: docs/benchmarks.md), and caps what idle threads burn
+    # while the worker shares its cores with the API, Redis and /predict (libgomp's default is
+    # 300,000 iterations). Set before torch loads libgomp; an OMP_WAIT_POLICY given wins.
+    if "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", "30000")
     try:
         choice = DeviceChoice.parse(args.device)
         if not is_pinned(args.device, os.environ):

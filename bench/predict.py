@@ -501,8 +501,9 @@ def report(args, raw, service, lit, empty, inference_stats, api_workers) -> str:
 
 
 FINDINGS = """What profiling (py-spy, CPU time per request) found and fixed on this host, before → after:
-OpenMP threads spinning between ops in the worker (`OMP_WAIT_POLICY=PASSIVE`, set by the worker
-command): worker CPU per cifar_net request 42 → 1 ms; gen-2 garbage collections over the whole
+OpenMP threads spinning between ops of the inference thread: worker CPU per cifar_net request
+42 → 1 ms (the inference thread now runs on half the cores, here one thread with no OpenMP team,
+and the worker caps libgomp's spin: app/cli.py); gen-2 garbage collections over the whole
 imported world (`gc.freeze()` once started) stalled every request in flight ~200 ms: c=32 p99
 214 → 19 ms; FastAPI's multipart parsing (~250 µs a request; a lean reader in
 app/api/multipart.py); uvicorn's access log (~15% of the API's CPU; `TORCHYARD_ACCESS_LOG`, off by

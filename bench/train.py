@@ -10,14 +10,16 @@ same images through the `cifar10` built-in (TORCHYARD_VERIFY_BUILTIN_CHECKSUMS=f
 files cannot match the official md5 sums). Optimizer everywhere: SGD lr 0.001 momentum 0.9.
   (a) the PyTorch tutorial loop: a Dataset yielding one normalised float image at a time,
       DataLoader(batch_size=4, shuffle=True, num_workers=2);
-  (b) a tight loop at the service's batch size (128 on the CPU): uint8 data resident, a random
-      permutation per epoch, batches gathered by index and normalised in place — the floor;
+  (b) the floor: a tight loop at the service's batch size (128 on the CPU): uint8 data resident, a
+      random permutation per epoch, batches gathered by index and normalised in place; each
+      setting in a fresh process with nothing of ours running, best of torch threads {1, all
+      cores} × OpenMP wait policy {default, PASSIVE}; measured before the service starts and
+      again (its best setting) after it stopped;
   (c) a job through the service as real processes (embedded Redis, `app.cli worker --device cpu`,
-      `app.cli api`), submitted over HTTP; images/s is the worker's own per-epoch figure, the
-      best epoch after the first (the first pays for warm-up).
-(b) and (c) alternate for --rounds rounds and report their best epoch after each round's first,
-(a) its best window of 500 images: on a shared machine the best figure is the one least disturbed
-by other load.
+      `app.cli api`) with its default settings, submitted over HTTP; images/s is the worker's own
+      per-epoch figure, the best epoch after the first (the first pays for warm-up).
+Every figure is the best epoch after the first ((a): its best window of 500 images): on a shared
+machine the best figure is the one least disturbed by other load.
 """
 
 from __future__ import annotations
@@ -41,7 +43,13 @@ from bench.docs import write_section  # noqa: E402 (after the sys.path entry abo
 
 LR, MOMENTUM = 0.001, 0.9
 SERVICE_BATCH = 128  # the service's CPU default
-THREADS_NOTE = ("Why a threads column: when other processes compete for the cores, torch's OpenMP threads wait on each other at every operator. In an earlier run on this machine with a load average near 7 (other test suites running), the tight loop did about 500 img/s with 2 threads and about 4,500 with 1. On a busy shared CPU host, `OMP_NUM_THREADS=1` for the CPU worker can be the faster setting.")
+OMP_NOTE = ("Why the worker no longer sets `OMP_WAIT_POLICY=PASSIVE`: OpenMP threads that sleep between "
+            "operators cost a training loop a third of its speed here (the PASSIVE rows of the floor). The "
+            "policy was there for /predict, whose inference thread's OpenMP threads spun between requests; "
+            "a CPU worker's inference thread now runs on half the cores (one thread on this host, so no "
+            "OpenMP team at all) and the worker caps libgomp's spinning at `GOMP_SPINCOUNT=30000` "
+            "iterations (the default is 300,000), which bench/predict.py measured as no cost to /predict.")
+FLOOR_POLICIES = ("", "PASSIVE")
 
 
 # ----------------------------------------------------------------------------- data
@@ -158,6 +166,30 @@ def tight_loop(model_name: str, images, labels, epochs: int, batch: int) -> dict
     return {"images_per_second": max(rates[1:] or rates), "epochs": [round(r, 1) for r in rates]}
 
 
+def floor(model_name: str, n: int, epochs: int, settings: list[tuple[int, str]]) -> list[dict]:
+    """The tight loop in a fresh process per (threads, OpenMP policy): each setting's epochs."""
+    tried = []
+    for threads, policy in settings:
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
+        if policy:
+            env["OMP_WAIT_POLICY"] = policy
+        out = subprocess.run([sys.executable, __file__, "--tight", model_name, str(n), str(epochs), str(threads)],
+                             env=env, cwd=REPO, check=True, capture_output=True, text=True).stdout
+        epochs_seen = json.loads(out.strip().splitlines()[-1])
+        tried.append({"threads": threads, "omp": policy or "default", "epochs": epochs_seen,
+                      "images_per_second": max(epochs_seen[1:] or epochs_seen)})
+        print(f"  floor {model_name} {threads} threads, OpenMP {policy or 'default'}: {epochs_seen}", flush=True)
+    return tried
+
+
+def tight_main(model_name: str, n: int, epochs: int, threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    images, labels = make_data(n)
+    print(json.dumps(tight_loop(model_name, images, labels, epochs, SERVICE_BATCH)["epochs"]))
+
+
 # ----------------------------------------------------------------------------- (c) service
 class Service:
     """The service as real processes: embedded Redis, one CPU worker, the API."""
@@ -244,25 +276,28 @@ def machine() -> str:
 
 def report(command: str, n: int, results: dict[str, dict], load: tuple[float, float]) -> str:
     lines = [f"Command: `{command}`", "", f"Machine: {machine()}. Load average (1 min) at start and end of "
-             f"the run: {load[0]:.1f}, {load[1]:.1f} (a shared machine: other processes compete for the cores).", "",
+             f"the run: {load[0]:.1f}, {load[1]:.1f}.", "",
              f"Data: {n} generated CIFAR-like images (3×32×32, 10 classes), the same tensor in every row; "
-             "the service reads it through torchvision's CIFAR10 class. SGD lr 0.001 momentum 0.9.", "",
-             "| model | torch threads | (a) tutorial loop, DataLoader batch 4, 2 workers | (b) tight loop, batch 128, data resident "
-             "| (c) torchyard job, batch 128 | (c)/(b) | (c)/(a) |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "the service reads it through torchvision's CIFAR10 class. SGD lr 0.001 momentum 0.9, batch 128.", "",
+             "| model | (a) tutorial loop, DataLoader batch 4, 2 workers | (b) floor: tight loop, data resident, "
+             "best setting | (c) torchyard job, default settings | (c)/(b) | (c)/(a) |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for model, r in results.items():
         a, b, c = (r[k]["images_per_second"] for k in ("a", "b", "c"))
-        lines.append(f"| {model} | {a:,.0f} img/s | {b:,.0f} img/s | {c:,.0f} img/s | {c / b:.2f} | {c / a:.1f}× |")
-    lines.append("")
-    lines.append("Per-epoch images/s, one list per round ((b) and (c) alternate; the table shows the best epoch "
-                 "after each round's first; (a): the best 500-image window):")
-    lines.append("")
+        best = r["b"]["best"]
+        lines.append(f"| {model} | {a:,.0f} img/s | {b:,.0f} img/s ({best['threads']} threads, OpenMP "
+                     f"{best['omp']}) | {c:,.0f} img/s | {c / b:.2f} | {c / a:.1f}× |")
+    lines += ["", "The floor's settings, each in a fresh process (best epoch after the first; the "
+              "`after` rows ran once the service had stopped):", "",
+              "| model | threads | OpenMP wait policy | img/s | epochs |", "| --- | ---: | --- | ---: | --- |"]
     for model, r in results.items():
-        lines.append(f"- {model}: (b) {r['b']['epochs']}; (c) {r['c']['epochs']}; "
-                     f"(a) windows {r['a']['windows']}, {r['a']['images']} images in {r['a']['seconds']:.1f} s")
-    lines.append("")
-    lines.append(THREADS_NOTE)
-    lines.append("")
+        for t in r["b"]["tried"]:
+            lines.append(f"| {model} | {t['threads']} | {t['omp']}{' (after)' if t.get('after') else ''} | "
+                         f"{t['images_per_second']:,.0f} | {t['epochs']} |")
+    lines += ["", "The service's epochs, one list per job: " + "; ".join(f"{m}: {r['c']['epochs']}" for m, r in results.items()),
+              "; the tutorial loop's 500-image windows: " + "; ".join(
+                  f"{m}: {r['a']['windows']} ({r['a']['images']} images in {r['a']['seconds']:.1f} s)"
+                  for m, r in results.items()), "", OMP_NOTE, ""]
     return "\n".join(lines)
 
 
@@ -276,51 +311,48 @@ def main() -> None:
     parser.add_argument("--models", default="cifar_net", help="comma-separated: cifar_net,resnet18")
     parser.add_argument("--images", type=int, default=None, help="dataset size (default 10000, quick 2000)")
     parser.add_argument("--epochs", type=int, default=None, help="epochs for (b) and (c) (default 4, quick 2)")
-    parser.add_argument("--threads", default=None,
-                        help="comma-separated torch intra-op thread counts, each a set of rows: (a)'s and (b)'s "
-                             "process and (c)'s worker (OMP_NUM_THREADS) (default: torch's default, = cores)")
-    parser.add_argument("--rounds", type=int, default=None, help="alternations of (c) and (b) (default 2, quick 1)")
+    parser.add_argument("--rounds", type=int, default=None, help="service jobs per model (default 2, quick 1)")
     parser.add_argument("--no-write-docs", action="store_true", help="print only; leave docs/benchmarks.md alone")
+    parser.add_argument("--tight", nargs=4, metavar=("MODEL", "N", "EPOCHS", "THREADS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tight:
+        tight_main(args.tight[0], int(args.tight[1]), int(args.tight[2]), int(args.tight[3]))
+        return
     n = args.images or (2000 if args.quick else 10_000)
     epochs = args.epochs or (2 if args.quick else 4)
     args.rounds = args.rounds or (1 if args.quick else 2)
     command = "flock /tmp/torchyard-bench.lock .venv/bin/python bench/train.py " + " ".join(sys.argv[1:])
 
-    import torch
-
     load_before = os.getloadavg()[0]
-    default_threads = torch.get_num_threads()
-    thread_counts = [int(t) for t in args.threads.split(",")] if args.threads else [default_threads]
+    models = args.models.split(",")
+    settings = [(t, p) for t in sorted({1, os.cpu_count() or 1}) for p in FLOOR_POLICIES]
     images, labels = make_data(n)
     results: dict[str, dict] = {}
     work = Path(tempfile.mkdtemp(prefix="torchyard-bench-train-"))
     try:
         write_cifar_format(work / "data" / "builtin", images, labels)
-        for threads in thread_counts:
-            torch.set_num_threads(threads)
-            with Service(work / "data", work / "logs", threads) as service:
-                for model in args.models.split(","):
-                    label = f"{model}, {threads} threads"
-                    c_epochs: list[list[float]] = []
-                    b_epochs: list[list[float]] = []
-                    # (c) and (b) alternate, so that both meet the same (shared-machine) conditions.
-                    for round_ in range(1, args.rounds + 1):
-                        print(f"[{label}] round {round_}: (c) torchyard job ...", flush=True)
-                        c_epochs.append(service.job(model, epochs, SERVICE_BATCH))
-                        print(f"[{label}] round {round_}: (b) tight loop ...", flush=True)
-                        b_epochs.append(tight_loop(model, images, labels, epochs, SERVICE_BATCH)["epochs"])
-                    print(f"[{label}] (a) tutorial loop ...", flush=True)
-                    a = classic_loop(model, images, labels, max_images=min(n, 2000 if args.quick else 4000))
-                    results[f"{model} | {threads}"] = r = {
-                        "a": a,
-                        "b": {"images_per_second": max(v for e in b_epochs for v in e[1:]), "epochs": b_epochs},
-                        "c": {"images_per_second": max(v for e in c_epochs for v in e[1:]), "epochs": c_epochs},
-                    }
-                    print(json.dumps(r), flush=True)
+        # (b) and (a) first, nothing of ours running
+        for model in models:
+            print(f"[{model}] (b) floor ...", flush=True)
+            tried = floor(model, n, epochs, settings)
+            print(f"[{model}] (a) tutorial loop ...", flush=True)
+            a = classic_loop(model, images, labels, max_images=min(n, 2000 if args.quick else 4000))
+            results[model] = {"a": a, "b": {"tried": tried}}
+        with Service(work / "data", work / "logs", None) as service:
+            for model in models:
+                print(f"[{model}] (c) {args.rounds} torchyard job(s) ...", flush=True)
+                jobs = [service.job(model, epochs, SERVICE_BATCH) for _ in range(args.rounds)]
+                results[model]["c"] = {"images_per_second": max(v for e in jobs for v in (e[1:] or e)), "epochs": jobs}
+        for model in models:  # the best setting again, the service gone: a later quiet spell counts too
+            b = results[model]["b"]
+            best = max(b["tried"], key=lambda t: t["images_per_second"])
+            again = floor(model, n, epochs, [(best["threads"], "" if best["omp"] == "default" else best["omp"])])[0]
+            b["tried"].append({**again, "after": True})
+            b["best"] = max(b["tried"], key=lambda t: t["images_per_second"])
+            b["images_per_second"] = b["best"]["images_per_second"]
+            print(json.dumps(results[model]), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    torch.set_num_threads(default_threads)
     text = report(command.strip(), n, results, (load_before, os.getloadavg()[0]))
     print(text)
     if not args.no_write_docs:
