@@ -46,10 +46,12 @@ SERVICE_BATCH = 128  # the service's CPU default
 OMP_NOTE = ("Why the worker no longer sets `OMP_WAIT_POLICY=PASSIVE`: OpenMP threads that sleep between "
             "operators cost a training loop a third of its speed here (the PASSIVE rows of the floor). The "
             "policy was there for /predict, whose inference thread's OpenMP threads spun between requests; "
-            "a CPU worker's inference thread now runs on half the cores (one thread on this host, so no "
-            "OpenMP team at all) and the worker caps libgomp's spinning at `GOMP_SPINCOUNT=30000` "
+            "while a job trains, a CPU worker's /predict forward now runs on half the cores (one thread on "
+            "this host, so no OpenMP team at all) and the worker caps libgomp's spinning at `GOMP_SPINCOUNT=30000` "
             "iterations (the default is 300,000), which bench/predict.py measured as no cost to /predict.")
-FLOOR_POLICIES = ("", "PASSIVE")
+# OpenMP's waiting between operators: libgomp's default, no spin at all, and the worker's own cap.
+OMP_SETTINGS = {"default": {}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
+                "GOMP_SPINCOUNT=30000": {"GOMP_SPINCOUNT": "30000"}}
 
 
 # ----------------------------------------------------------------------------- data
@@ -171,14 +173,13 @@ def floor(model_name: str, n: int, epochs: int, settings: list[tuple[int, str]])
     tried = []
     for threads, policy in settings:
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
-        if policy:
-            env["OMP_WAIT_POLICY"] = policy
         out = subprocess.run([sys.executable, __file__, "--tight", model_name, str(n), str(epochs), str(threads)],
-                             env=env, cwd=REPO, check=True, capture_output=True, text=True).stdout
+                             env={**env, **OMP_SETTINGS[policy]}, cwd=REPO, check=True, capture_output=True,
+                             text=True).stdout
         epochs_seen = json.loads(out.strip().splitlines()[-1])
-        tried.append({"threads": threads, "omp": policy or "default", "epochs": epochs_seen,
+        tried.append({"threads": threads, "omp": policy, "epochs": epochs_seen,
                       "images_per_second": max(epochs_seen[1:] or epochs_seen)})
-        print(f"  floor {model_name} {threads} threads, OpenMP {policy or 'default'}: {epochs_seen}", flush=True)
+        print(f"  floor {model_name} {threads} threads, OpenMP {policy}: {epochs_seen}", flush=True)
     return tried
 
 
@@ -289,7 +290,7 @@ def report(command: str, n: int, results: dict[str, dict], load: tuple[float, fl
                      f"{best['omp']}) | {c:,.0f} img/s | {c / b:.2f} | {c / a:.1f}× |")
     lines += ["", "The floor's settings, each in a fresh process (best epoch after the first; the "
               "`after` rows ran once the service had stopped):", "",
-              "| model | threads | OpenMP wait policy | img/s | epochs |", "| --- | ---: | --- | ---: | --- |"]
+              "| model | threads | OpenMP waiting | img/s | epochs |", "| --- | ---: | --- | ---: | --- |"]
     for model, r in results.items():
         for t in r["b"]["tried"]:
             lines.append(f"| {model} | {t['threads']} | {t['omp']}{' (after)' if t.get('after') else ''} | "
@@ -325,7 +326,7 @@ def main() -> None:
 
     load_before = os.getloadavg()[0]
     models = args.models.split(",")
-    settings = [(t, p) for t in sorted({1, os.cpu_count() or 1}) for p in FLOOR_POLICIES]
+    settings = [(t, p) for t in sorted({1, os.cpu_count() or 1}) for p in OMP_SETTINGS]
     images, labels = make_data(n)
     results: dict[str, dict] = {}
     work = Path(tempfile.mkdtemp(prefix="torchyard-bench-train-"))
@@ -346,7 +347,7 @@ def main() -> None:
         for model in models:  # the best setting again, the service gone: a later quiet spell counts too
             b = results[model]["b"]
             best = max(b["tried"], key=lambda t: t["images_per_second"])
-            again = floor(model, n, epochs, [(best["threads"], "" if best["omp"] == "default" else best["omp"])])[0]
+            again = floor(model, n, epochs, [(best["threads"], best["omp"])])[0]
             b["tried"].append({**again, "after": True})
             b["best"] = max(b["tried"], key=lambda t: t["images_per_second"])
             b["images_per_second"] = b["best"]["images_per_second"]
