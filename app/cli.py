@@ -45,13 +45,10 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
     from core.errors import DeviceInUse
     from worker.device import DeviceChoice, PinningError, exec_pinned, is_pinned, resolve_worker_device
 
-    # OpenMP threads spin a while after each parallel region before they sleep. A short spin keeps
-    # training's back-to-back operators fast (`OMP_WAIT_POLICY=PASSIVE`, no spin at all, cost a
-    # CPU training loop a third of its speed: docs/benchmarks.md), and caps what idle threads burn
-    # while the worker shares its cores with the API, Redis and /predict (libgomp's default is
-    # 300,000 iterations). Set before torch loads libgomp; an OMP_WAIT_POLICY given wins.
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", "30000")
+    # No OpenMP wait policy is set: OpenMP threads that sleep between operators (PASSIVE) cost a CPU
+    # training loop about a third of its speed, and capping libgomp's spin (GOMP_SPINCOUNT=30000)
+    # about a tenth (docs/benchmarks.md); /predict no longer needs either, since its forward runs on
+    # half the cores (one thread on a 2-core host: no OpenMP team to spin).
     try:
         choice = DeviceChoice.parse(args.device)
         if not is_pinned(args.device, os.environ):

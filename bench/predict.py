@@ -258,8 +258,9 @@ def _litserve_api():
 
         def predict(self, x):
             with torch.inference_mode():
-                if x.dim() == 3:  # batching off: one image
-                    return torch.softmax(self.model(normalize(x[None], self.mean, self.std)), dim=1)[0]
+                if isinstance(x, np.ndarray):  # batching off: one decoded image, `batch` not called
+                    return torch.softmax(self.model(normalize(torch.from_numpy(x)[None], self.mean, self.std)),
+                                         dim=1)[0]
                 return torch.softmax(self.model(normalize(x, self.mean, self.std)), dim=1)
 
         def unbatch(self, output):
@@ -398,7 +399,11 @@ def run(args: argparse.Namespace) -> str:
                 wait_http(lit_port, "/health")
                 request = multipart_request(lit_port, "/predict", png, {})
                 for c in (1, MAX_BATCH):
-                    cell = {**load(lit_port, request, c, args.seconds), "config": config}
+                    try:
+                        cell = {**load(lit_port, request, c, args.seconds), "config": config}
+                    except RuntimeError as exc:  # a configuration that fails is reported, not fatal
+                        print(f"{model} c={c} litserve {config}: failed: {exc}", file=sys.stderr)
+                        continue
                     print(f"{model} c={c} litserve {config}: {cell}", file=sys.stderr)
                     best = lit.setdefault(model, {}).get(c)
                     if best is None or ((cell["p50_ms"] < best["p50_ms"]) if c == 1
@@ -504,8 +509,8 @@ def report(args, raw, service, lit, empty, inference_stats, api_workers) -> str:
 
 FINDINGS = """What profiling (py-spy, CPU time per request) found and fixed on this host, before → after:
 OpenMP threads spinning between ops of the inference thread: worker CPU per cifar_net request
-42 → 1 ms (the inference thread now runs on half the cores, here one thread with no OpenMP team,
-and the worker caps libgomp's spin: app/cli.py); gen-2 garbage collections over the whole
+42 → 1 ms (the forward runs on half the cores, here one thread with no OpenMP team; the
+`OMP_WAIT_POLICY=PASSIVE` once used instead cost training a third of its speed); gen-2 garbage collections over the whole
 imported world (`gc.freeze()` once started) stalled every request in flight ~200 ms: c=32 p99
 214 → 19 ms; FastAPI's multipart parsing (~250 µs a request; a lean reader in
 app/api/multipart.py); uvicorn's access log (~15% of the API's CPU; `TORCHYARD_ACCESS_LOG`, off by

@@ -43,12 +43,11 @@ from bench.docs import write_section  # noqa: E402 (after the sys.path entry abo
 
 LR, MOMENTUM = 0.001, 0.9
 SERVICE_BATCH = 128  # the service's CPU default
-OMP_NOTE = ("Why the worker no longer sets `OMP_WAIT_POLICY=PASSIVE`: OpenMP threads that sleep between "
-            "operators cost a training loop a third of its speed here (the PASSIVE rows of the floor). The "
-            "policy was there for /predict, whose inference thread's OpenMP threads spun between requests; "
-            "while a job trains, a CPU worker's /predict forward now runs on half the cores (one thread on "
-            "this host, so no OpenMP team at all) and the worker caps libgomp's spinning at `GOMP_SPINCOUNT=30000` "
-            "iterations (the default is 300,000), which bench/predict.py measured as no cost to /predict.")
+OMP_NOTE = ("Why the worker no longer sets `OMP_WAIT_POLICY=PASSIVE` nor caps the spin: OpenMP threads that "
+            "sleep between operators cost a training loop a third of its speed here, and a short spin "
+            "(`GOMP_SPINCOUNT=30000`) about a tenth (the floor's rows). PASSIVE was there for /predict, whose "
+            "inference OpenMP threads spun between requests; a CPU worker's /predict forward now runs on half "
+            "the cores (one thread on this host: no OpenMP team at all).")
 # OpenMP's waiting between operators: libgomp's default, no spin at all, and the worker's own cap.
 OMP_SETTINGS = {"default": {}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
                 "GOMP_SPINCOUNT=30000": {"GOMP_SPINCOUNT": "30000"}}

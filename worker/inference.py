@@ -28,7 +28,6 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -127,19 +126,13 @@ class PreparedGroup:
 class InferenceServer:
     def __init__(self, client: redis.Redis, device: WorkerDevice, cache: ModelCache, *, max_batch: int,
                  max_wait_ms: float, max_pixels: int, cpu_threads: int | None = None,
-                 decode_threads: int | None = None, pad_to_buckets: bool | None = None,
-                 training: Callable[[], bool] = lambda: False) -> None:
+                 decode_threads: int | None = None, pad_to_buckets: bool | None = None) -> None:
         self.redis = client
         self.device = device
         self.cache = cache
         self.max_batch = max_batch
         self.max_pixels = max_pixels
-        # A CPU device's forward runs on `cpu_threads` while a job trains beside it and on every core
-        # otherwise: resnet18's batch-1 forward takes ~5 ms on one thread here and ~3 ms on two.
         self.cpu_threads = cpu_threads or max(1, (os.cpu_count() or 1) // 2)
-        self.idle_threads = max(self.cpu_threads, os.cpu_count() or 1)
-        self.training = training
-        self._threads_now = 0
         self.decode_threads = decode_threads or min(4, os.cpu_count() or 1)
         # Padding to bucketed sizes pays on a GPU (cuDNN tunes per shape) and costs on a CPU; the
         # tests turn it on for the CPU to run the same path.
@@ -294,6 +287,12 @@ class InferenceServer:
             self._stream = torch.cuda.Stream(priority=HIGH_PRIORITY)
             # Tuned once per input shape: batch sizes are bucketed (worker/batching.bucket_size).
             torch.backends.cudnn.benchmark = True
+        else:
+            # On a CPU device, inference ops run on part of the cores and leave the rest to the API,
+            # Redis and training: the API works while a forward runs. Measured with bench/predict.py
+            # on 2 cores, resnet18 at one client: p50 8.7 ms on one thread, 9.8 ms on both (whose
+            # threads wait on each other at every op whenever the API or Redis take a core).
+            torch.set_num_threads(self.cpu_threads)
         self._staging = HostStaging(torch.device(self.device.torch_device), self.max_batch, pinned=self.device.kind == "cuda")
         while not self._halt.is_set():
             try:
@@ -322,14 +321,6 @@ class InferenceServer:
     def _forward(self, entry: ResidentModel, arrays: list[np.ndarray]) -> torch.Tensor:
         """Probabilities (on the host) of `arrays`, padded to a bucketed size where that pays."""
         assert self._staging is not None
-        if self.device.kind == "cpu":
-            # While a job trains, inference ops run on part of the cores and leave the rest to the
-            # training loop, the API and Redis; otherwise on all of them. Set per thread, and only
-            # when it changes.
-            threads = self.cpu_threads if self.training() else self.idle_threads
-            if threads != self._threads_now:
-                torch.set_num_threads(threads)
-                self._threads_now = threads
         rows = bucket_size(len(arrays), self.max_batch) if self.pad_to_buckets else len(arrays)
         with torch.inference_mode():
             if self._stream is not None:

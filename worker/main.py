@@ -93,8 +93,7 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     inference = InferenceServer(client, device, cache, max_batch=settings.predict_max_batch,
                                 max_wait_ms=settings.predict_max_wait_ms, max_pixels=settings.max_image_pixels,
                                 cpu_threads=settings.predict_cpu_threads,
-                                decode_threads=settings.predict_decode_threads,
-                                training=lambda: state.current_job is not None)
+                                decode_threads=settings.predict_decode_threads)
     out_of_service_once = threading.Lock()
 
     def take_out_of_service(reason: str) -> None:
