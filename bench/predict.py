@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -334,6 +335,14 @@ def machine() -> str:
             f"{platform.python_version()}, torch {torch.__version__}")
 
 
+def batch_histogram(port: int) -> dict[int, int]:
+    """The worker's batch sizes so far (GET /devices → inference): size → batches."""
+    import httpx
+
+    device = httpx.get(f"http://127.0.0.1:{port}/devices").json()["devices"][0]
+    return {int(k): v for k, v in (device.get("inference") or {}).get("batch_size_histogram", {}).items()}
+
+
 def serve(work: Path, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     log = open(work / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - the server's stdout for its life
     return subprocess.Popen([sys.executable, __file__, *argv], cwd=REPO, env={**os.environ, **(env or {})},
@@ -361,8 +370,7 @@ def run(args: argparse.Namespace) -> str:
     import httpx
     import redis
 
-    service: dict[str, dict[int, dict[str, float]]] = {}
-    inference_stats: dict = {}
+    service: dict[str, dict[int, dict]] = {}
     redis_server = EmbeddedRedis(work / "redis")
     redis_server.start()
     url = with_db(redis_server.url, 0)
@@ -381,9 +389,12 @@ def run(args: argparse.Namespace) -> str:
         for model, (job_id, _) in checkpoints.items():
             request = multipart_request(port, "/predict", png, {"job_id": job_id, "top_k": "5"})
             for c in (1, MAX_BATCH):
-                service.setdefault(model, {})[c] = load(port, request, c, args.seconds, pids)
-                print(f"{model} c={c}: torchyard {service[model][c]}", file=sys.stderr)
-        inference_stats = httpx.get(f"http://127.0.0.1:{port}/devices").json()["devices"][0].get("inference") or {}
+                before = batch_histogram(port)
+                measured: dict[str, Any] = dict(load(port, request, c, args.seconds, pids))
+                measured["batches"] = {k: v - before.get(k, 0) for k, v in batch_histogram(port).items()
+                                       if v - before.get(k, 0)}
+                service.setdefault(model, {})[c] = measured
+                print(f"{model} c={c}: torchyard {measured}", file=sys.stderr)
     finally:
         procs.stop_all()
         redis_server.stop()
@@ -400,7 +411,7 @@ def run(args: argparse.Namespace) -> str:
                 request = multipart_request(lit_port, "/predict", png, {})
                 for c in (1, MAX_BATCH):
                     try:
-                        cell = {**load(lit_port, request, c, args.seconds), "config": config}
+                        cell: dict[str, Any] = {**load(lit_port, request, c, args.seconds), "config": config}
                     except RuntimeError as exc:  # a configuration that fails is reported, not fatal
                         print(f"{model} c={c} litserve {config}: failed: {exc}", file=sys.stderr)
                         continue
@@ -432,10 +443,10 @@ def run(args: argparse.Namespace) -> str:
         kill_group(proc)
         (Path(__file__).parent / "predict_empty_app.py").unlink(missing_ok=True)
 
-    return report(args, raw, service, lit, empty, inference_stats, api_workers)
+    return report(args, raw, service, lit, empty, api_workers)
 
 
-def report(args, raw, service, lit, empty, inference_stats, api_workers) -> str:
+def report(args, raw, service, lit, empty, api_workers) -> str:
     lines = ["| model | measure | floor (a) | torchyard /predict (b) | LitServe at its best (c) | (b)/(a) | (b)/(c) |",
              "|---|---|---|---|---|---|---|"]
 
@@ -479,9 +490,12 @@ def report(args, raw, service, lit, empty, inference_stats, api_workers) -> str:
             forward = min(t["cpu_us_per_image"] for t in raw[model][c]["tried"] if t["threads"] == 1) / 1e3
             cpu.append(f"| {model} | {c} | {cell['api_cpu_ms']:.3f} ms | {cell['worker_cpu_ms']:.3f} ms | "
                        f"{cell['redis_cpu_ms']:.3f} ms | {max(0.0, cell['worker_cpu_ms'] - forward) * 1e3:.0f} µs |")
-    hist = {int(k): v for k, v in inference_stats.get("batch_size_histogram", {}).items()}
-    batches = sum(hist.values())
-    mean_batch = sum(k * v for k, v in hist.items()) / batches if batches else 0.0
+    batch_lines = []
+    for model in service:
+        hist = service[model][MAX_BATCH].get("batches", {})
+        count = sum(hist.values())
+        mean = sum(k * v for k, v in hist.items()) / count if count else 0.0
+        batch_lines.append(f"- {model}: mean {mean:.1f} images per batch; size: batches {json.dumps(dict(sorted(hist.items())))}")
     cifar = service.get("cifar_net", {}).get(MAX_BATCH)
     empty_lines = "\n".join(
         f"- empty FastAPI handler, {'multipart parsed by FastAPI (`UploadFile` + `Form`)' if kind == 'form' else 'body read as raw bytes'}: "
@@ -501,8 +515,7 @@ def report(args, raw, service, lit, empty, inference_stats, api_workers) -> str:
             + "\n\n(d) The HTTP front end alone, same request, 32 clients:\n\n" + empty_lines + "\n\n"
             "CPU time per request of the torchyard processes (robust to a busy host, unlike wall-clock "
             "figures; the forward's own CPU per image is the 1-thread floor's):\n\n" + "\n".join(cpu) + "\n\n"
-            f"Batches formed by the torchyard worker over the run: mean {mean_batch:.1f} images; size: count "
-            f"{json.dumps(dict(sorted(hist.items())))}\n\n"
+            "Batches formed by the torchyard worker during the c=32 cells:\n\n" + "\n".join(batch_lines) + "\n\n"
             f"Load average (1 min) at the start and end of the run: {LOAD_START[0]:.1f}, {os.getloadavg()[0]:.1f}.\n\n"
             + FINDINGS)
 
