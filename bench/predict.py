@@ -6,7 +6,7 @@ For each model (resnet18 and cifar_net, 3×32×32, untrained weights written wit
 worker.checkpoint.save_model: latency does not depend on what the weights learned):
   (a) the floor: normalize + forward + softmax under inference_mode at batch 1 and 32, each setting
       in a fresh process started before anything else of ours runs, best of torch threads {1, all
-      cores} × OpenMP wait policy {default, PASSIVE}: the best this machine can do;
+      cores} × OpenMP waiting {default, PASSIVE, GOMP_SPINCOUNT=30000}: the best this machine can do;
   (b) the torchyard service as real processes (embedded Redis, `app.cli worker --device cpu`,
       `app.cli api` with its default processes), POST /predict with one PNG, closed loop at
       concurrency 1 and 32;
@@ -117,7 +117,7 @@ def raw_forward(checkpoint: Path, batch: int, seconds: float) -> dict[str, float
             "cpu_us_per_image": cpu * 1e6 / (batch * len(times))}
 
 
-# OpenMP's waiting between operators: libgomp's default, no spin at all, and the worker's own cap.
+# OpenMP's waiting between operators: libgomp's default, no spin at all, a short spin.
 OMP_SETTINGS = {"default": {}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
                 "GOMP_SPINCOUNT=30000": {"GOMP_SPINCOUNT": "30000"}}
 FLOOR_SETTINGS = [(threads, policy) for threads in sorted({1, os.cpu_count() or 1}) for policy in OMP_SETTINGS]

@@ -43,12 +43,15 @@ from bench.docs import write_section  # noqa: E402 (after the sys.path entry abo
 
 LR, MOMENTUM = 0.001, 0.9
 SERVICE_BATCH = 128  # the service's CPU default
-OMP_NOTE = ("Why the worker no longer sets `OMP_WAIT_POLICY=PASSIVE` nor caps the spin: OpenMP threads that "
-            "sleep between operators cost a training loop a third of its speed here, and a short spin "
-            "(`GOMP_SPINCOUNT=30000`) about a tenth (the floor's rows). PASSIVE was there for /predict, whose "
-            "inference OpenMP threads spun between requests; a CPU worker's /predict forward now runs on half "
-            "the cores (one thread on this host: no OpenMP team at all).")
-# OpenMP's waiting between operators: libgomp's default, no spin at all, and the worker's own cap.
+OMP_NOTE = ("This host's speed moves by a third from minute to minute (other tenants), so single "
+            "settings' rows are read with that in mind. Why the worker no longer sets "
+            "`OMP_WAIT_POLICY=PASSIVE`: in six runs of the 2-thread loop on this host (the one above among "
+            "them) PASSIVE did 9,100 to 12,800 img/s against 10,900 to 17,900 for OpenMP's default, slower "
+            "every time. PASSIVE was set for /predict, whose inference OpenMP threads "
+            "spun between requests; a CPU worker's /predict forward now runs on half the cores (one thread "
+            "on this host: no OpenMP team at all). A capped spin (`GOMP_SPINCOUNT=30000`) was within the "
+            "noise of the default, so the worker sets nothing.")
+# OpenMP's waiting between operators: libgomp's default, no spin at all, a short spin.
 OMP_SETTINGS = {"default": {}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
                 "GOMP_SPINCOUNT=30000": {"GOMP_SPINCOUNT": "30000"}}
 

@@ -22,7 +22,7 @@ from core.datasets import DatasetCatalog
 from core.devices import DeviceRegistry
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import JobStore
-from core.lineage import record_dependent
+from core.lineage import record_dependent, trained_source
 from core.schemas import Job, JobKind, JobStatus, PredictSpec
 from core.storage import CheckpointPaths
 
@@ -43,12 +43,7 @@ class BatchPredictions:
         (yet), 422 a job that is not a training job, a dataset that is unknown or built in, a top_k
         beyond the model's classes, a device nobody could be."""
         trained_id = self._trained_job_id(spec)
-        trained = self.store.get(trained_id)
-        if trained.kind is not JobKind.train:
-            raise InvalidInput(f"job {trained_id} is a {trained.kind.value} job; only a training job has a model "
-                               f"to predict with")
-        if trained.status is not JobStatus.succeeded or not self.paths.final(trained_id).exists():
-            raise Conflict(f"job {trained_id} has no checkpoint to predict with (it is {trained.status.value})")
+        trained = trained_source(self.store, self.paths, trained_id, "to predict with")
         classes = trained.classes or []
         if classes and spec.top_k > len(classes):
             raise InvalidInput(f"top_k {spec.top_k} is more than the {len(classes)} classes of job {trained_id}'s "

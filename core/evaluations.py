@@ -14,10 +14,10 @@ import time
 from core import keys
 from core.datasets import DatasetCatalog, DatasetRecord, builtin_classes
 from core.devices import DeviceRegistry
-from core.errors import Conflict, InvalidInput, NotFound
+from core.errors import InvalidInput, NotFound
 from core.jobs import JobStore
-from core.lineage import record_dependent
-from core.schemas import EvaluateSpec, Evaluation, Job, JobKind, JobStatus
+from core.lineage import record_dependent, trained_source
+from core.schemas import EvaluateSpec, Evaluation, Job, JobKind
 from core.storage import CheckpointPaths
 from core.submission import unlabeled_message
 
@@ -36,12 +36,7 @@ class Evaluations:
     def submit(self, job_id: str, spec: EvaluateSpec, idempotency_key: str | None = None) -> tuple[Evaluation, bool]:
         """Queue an evaluation of `job_id`'s checkpoint on `spec.dataset`. 404 unknown job, 409 a job
         without a checkpoint (yet), 422 a dataset that is unknown, unavailable or has other classes."""
-        trained = self.store.get(job_id)
-        if trained.kind is not JobKind.train:
-            raise InvalidInput(f"job {job_id} is a {trained.kind.value} job; only a training job has a checkpoint "
-                               f"to evaluate")
-        if trained.status is not JobStatus.succeeded or not self.paths.final(job_id).exists():
-            raise Conflict(f"job {job_id} has no checkpoint to evaluate (it is {trained.status.value})")
+        trained = trained_source(self.store, self.paths, job_id, "to evaluate")
         dataset = self.catalog.resolve(spec.dataset)
         if not dataset.available:
             raise InvalidInput(f"dataset {dataset.id} is not available: {dataset.description}")

@@ -1,5 +1,5 @@
 """Jobs that read another job's checkpoint when they run: a training job started `init_from` it,
-and its evaluations. While such a job is queued or running, the checkpoint it reads must stay
+its evaluations and its batch predictions. While such a job is queued or running, the checkpoint it reads must stay
 (retention and DELETE /jobs/{id} ask `active_dependent` before removing a job's files).
 """
 
@@ -8,8 +8,10 @@ from __future__ import annotations
 import redis
 
 from core import keys
+from core.errors import Conflict, InvalidInput
 from core.jobs import JobStore
-from core.schemas import JobStatus
+from core.schemas import Job, JobKind, JobStatus
+from core.storage import CheckpointPaths
 
 _ACTIVE = (JobStatus.queued.value, JobStatus.running.value)
 
@@ -34,3 +36,14 @@ def active_dependent(store: JobStore, parent_id: str) -> str | None:
         client.srem(keys.job_dependents(parent_id), *finished)
     active = [child for child, status in zip(children, statuses, strict=True) if status in _ACTIVE]
     return active[0] if active else None
+
+
+def trained_source(store: JobStore, paths: CheckpointPaths, job_id: str, purpose: str) -> Job:
+    """The training job whose checkpoint a new job will read, or why it cannot: 404 unknown, 422 a
+    job of another kind (no model), 409 no checkpoint (yet). `purpose`: "to evaluate", ..."""
+    trained = store.get(job_id)
+    if trained.kind is not JobKind.train:
+        raise InvalidInput(f"job {job_id} is a {trained.kind.value} job; only a training job has a model {purpose}")
+    if trained.status is not JobStatus.succeeded or not paths.final(job_id).exists():
+        raise Conflict(f"job {job_id} has no checkpoint {purpose} (it is {trained.status.value})")
+    return trained
