@@ -514,7 +514,7 @@ def report(args, raw, service, lit, empty, api_workers) -> str:
             f"(c) is the best of {len(LITSERVE_CONFIGS)} LitServe configurations per cell:\n\n" + "\n".join(peers)
             + "\n\n(d) The HTTP front end alone, same request, 32 clients:\n\n" + empty_lines + "\n\n"
             "CPU time per request of the torchyard processes (robust to a busy host, unlike wall-clock "
-            "figures; the forward's own CPU per image is the 1-thread floor's):\n\n" + "\n".join(cpu) + "\n\n"
+            "figures; the forward's own CPU per image is the 1-thread floor's; at c=1 the processes' background work, heartbeats and Celery's consumer, is spread over few requests):\n\n" + "\n".join(cpu) + "\n\n"
             "Batches formed by the torchyard worker during the c=32 cells:\n\n" + "\n".join(batch_lines) + "\n\n"
             f"Load average (1 min) at the start and end of the run: {LOAD_START[0]:.1f}, {os.getloadavg()[0]:.1f}.\n\n"
             + FINDINGS)
