@@ -317,12 +317,11 @@ async def raw(request: Request):
 """
 
 
-def empty_main(port: int, workers: int) -> None:
+def empty_main(port: int, workers: int, app_dir: str) -> None:
     import uvicorn
 
-    sys.path.insert(0, str(Path(__file__).parent))
     uvicorn.run("predict_empty_app:app", host="127.0.0.1", port=port, workers=workers, http="httptools",
-                access_log=False, log_level="warning", app_dir=str(Path(__file__).parent))
+                access_log=False, log_level="warning", app_dir=app_dir)
 
 
 # ----------------------------------------------------------------------------- the run
@@ -425,9 +424,9 @@ def run(args: argparse.Namespace) -> str:
 
     # (d) empty FastAPI handlers
     empty: dict[str, dict[str, float]] = {}
-    (Path(__file__).parent / "predict_empty_app.py").write_text(EMPTY_APP)
+    (work / "predict_empty_app.py").write_text(EMPTY_APP)  # an import string for uvicorn's workers
     empty_port = free_port()
-    proc = serve(work, "empty-fastapi", ["--empty-server", str(empty_port), str(api_workers)])
+    proc = serve(work, "empty-fastapi", ["--empty-server", str(empty_port), str(api_workers), str(work)])
     try:
         for _ in range(300):
             try:
@@ -441,7 +440,6 @@ def run(args: argparse.Namespace) -> str:
             print(f"empty {kind}: {empty[kind]}", file=sys.stderr)
     finally:
         kill_group(proc)
-        (Path(__file__).parent / "predict_empty_app.py").unlink(missing_ok=True)
 
     return report(args, raw, service, lit, empty, api_workers)
 
@@ -546,14 +544,14 @@ def main() -> None:
     parser.add_argument("--skip-litserve", action="store_true")
     parser.add_argument("--write-docs", action="store_true", help="replace the predict section of docs/benchmarks.md")
     parser.add_argument("--litserve-server", nargs=2, metavar=("PORT", "CONFIG"), help=argparse.SUPPRESS)
-    parser.add_argument("--empty-server", nargs=2, type=int, metavar=("PORT", "WORKERS"), help=argparse.SUPPRESS)
+    parser.add_argument("--empty-server", nargs=3, metavar=("PORT", "WORKERS", "APP_DIR"), help=argparse.SUPPRESS)
     parser.add_argument("--floor", nargs=4, metavar=("CHECKPOINT", "BATCH", "THREADS", "SECONDS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.litserve_server:
         litserve_main(int(args.litserve_server[0]), json.loads(args.litserve_server[1]))
         return
     if args.empty_server:
-        empty_main(*args.empty_server)
+        empty_main(int(args.empty_server[0]), int(args.empty_server[1]), args.empty_server[2])
         return
     if args.floor:
         floor_main(args.floor[0], int(args.floor[1]), int(args.floor[2]), float(args.floor[3]))

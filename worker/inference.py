@@ -82,6 +82,11 @@ class InferenceStats:
         self.errors = 0
         self.histogram: dict[int, int] = defaultdict(int)
 
+    def failed(self) -> None:
+        """A batch that could not be served (the intake and the device thread both count them)."""
+        with self._lock:
+            self.errors += 1
+
     def record(self, size: int) -> None:
         with self._lock:
             self.batches += 1
@@ -258,7 +263,7 @@ class InferenceServer:
                 self._reply_errors(group, 409, str(exc))
                 continue
             except Exception as exc:  # a failure answers its callers and never stops the thread
-                self.stats.errors += 1
+                self.stats.failed()
                 log.exception("loading the model of job %s failed", job_id)
                 self._reply_errors(group, 503, f"inference failed on {self.device.id}: {exc}")
                 continue
@@ -312,7 +317,7 @@ class InferenceServer:
             probabilities = torch.cat([self._forward(group.entry, group.arrays[i:i + self.max_batch])
                                        for i in range(0, len(group.arrays), self.max_batch)])
         except Exception as exc:  # a failure answers its callers and never stops the thread
-            self.stats.errors += 1
+            self.stats.failed()
             log.exception("inference for job %s failed", group.job_id)
             self._reply_errors([r for r, _ in group.owners], 503, f"inference failed on {self.device.id}: {exc}")
             return
