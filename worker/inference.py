@@ -30,7 +30,6 @@ import time
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -39,7 +38,6 @@ import torch
 from PIL import Image
 
 from core import keys
-from core.schemas import ImagePredictions, Prediction, PredictResponse
 from core.wire import (
     IMAGE_FORMATS,
     REPLY_TTL_S,
@@ -58,7 +56,8 @@ from worker.preprocess import apply_preprocessing, normalize
 log = logging.getLogger(__name__)
 
 POLL_S = 0.001  # the longest sleep between two polls of the list while a batch fills
-POLL_MIN_S = 0.0002  # while the device is busy
+POLL_MIN_S = 0.0002  # while a batch waits for the device
+INLINE_REPLY_IMAGES = 4  # a batch this small is answered by the device thread itself when no batch waits
 HIGH_PRIORITY = -1  # torch.cuda.Stream: lower is higher; out-of-range values clamp to the highest
 
 
@@ -153,6 +152,8 @@ class InferenceServer:
         self._halt = threading.Event()
         self._ready: queue.Queue[list[PreparedGroup]] = queue.Queue(maxsize=1)
         self._device_busy = threading.Event()
+        self._device_idle = threading.Event()  # its complement, to wait on
+        self._device_idle.set()
         self._device_free_at = 0.0  # epoch s: when the device thread last finished a batch
         self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="torchyard-decode")
         self._stream: Any = None
@@ -203,15 +204,19 @@ class InferenceServer:
 
     def _collect(self) -> list[PredictRequest]:
         """Block for a first request, then take what comes until the window says the batch is complete."""
-        first = self.redis.blpop([self.queue], timeout=1)
-        if first is None:
+        # BLPOP and an LPOP of what queued beside it, pipelined: Redis runs the LPOP as soon as the
+        # BLPOP returns, so a lone request costs one round trip and a burst is taken whole.
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.blpop([self.queue], timeout=1)
+        pipe.lpop(self.queue, self.max_batch - 1)
+        first, rest = pipe.execute()
+        raw = ([first[1]] if first is not None else []) + (rest or [])
+        if not raw:
             return []
         requests: list[PredictRequest] = []
-        images = self._add(requests, [first[1]])
+        images = self._add(requests, raw)
         if not requests:
             return []
-        if images < self.max_batch:
-            images += self._add(requests, self.redis.lpop(self.queue, self.max_batch - images) or [])
         # Poll rather than BLPOP: an idle Redis wakes for blocking timeouts only every 1/hz (100 ms
         # by default), far coarser than a batching window of a few milliseconds. Each poll is a
         # Redis call for the worker and for Redis: at most one a millisecond.
@@ -221,7 +226,12 @@ class InferenceServer:
             opened_at = max(first_queued_at, self._device_free_at)
             if self.window.ready(images, opened_at, now := time.time(), busy):
                 break
-            time.sleep(POLL_MIN_S if busy else min(POLL_S, max(POLL_MIN_S, self.window.deadline(opened_at) - now)))
+            if self._device_busy.is_set():
+                # Polls while the device computes only gather what it takes next: wait for it to be
+                # free (woken that moment) or for a poll period, whichever is sooner.
+                self._device_idle.wait(POLL_S)
+            else:
+                time.sleep(POLL_MIN_S if busy else min(POLL_S, max(POLL_MIN_S, self.window.deadline(opened_at) - now)))
             images += self._add(requests, self.redis.lpop(self.queue, self.max_batch - images) or [])
         self.window.observe(images)
         return requests
@@ -267,8 +277,7 @@ class InferenceServer:
                 log.exception("loading the model of job %s failed", job_id)
                 self._reply_errors(group, 503, f"inference failed on {self.device.id}: {exc}")
                 continue
-            data = [image.data for request in group for image in request.images]
-            decoded = list(self._pool.map(_decode_or_error, data, repeat(entry.meta), repeat(self.max_pixels)))
+            decoded = self._decode_all([image.data for request in group for image in request.images], entry.meta)
             prepared = PreparedGroup(job_id, entry)
             at = 0
             for request in group:
@@ -286,6 +295,17 @@ class InferenceServer:
                 groups.append(prepared)
         return groups
 
+    def _decode_all(self, data: list[bytes], meta: ModelMeta) -> list[np.ndarray | BadImage]:
+        """Every image decoded, in order: one contiguous chunk per decode thread, the last chunk on this
+        (the intake) thread while the pool does the others, so a lone image never changes threads.
+        A pool task per image cost more in hand-offs than a 32×32 PNG's decode (~30 µs)."""
+        chunks = min(self.decode_threads, len(data))
+        size = -(-len(data) // chunks)
+        parts = [data[i:i + size] for i in range(0, len(data), size)]
+        pending = [self._pool.submit(_decode_chunk, part, meta, self.max_pixels) for part in parts[:-1]]
+        last = _decode_chunk(parts[-1], meta, self.max_pixels)
+        return [d for future in pending for d in future.result()] + last
+
     # ------------------------------------------------------------------ device thread
     def _device_loop(self) -> None:
         if self.device.kind == "cuda":
@@ -293,10 +313,15 @@ class InferenceServer:
             # Tuned once per input shape: batch sizes are bucketed (worker/batching.bucket_size).
             torch.backends.cudnn.benchmark = True
         else:
-            # On a CPU device, inference ops run on part of the cores and leave the rest to the API,
-            # Redis and training: the API works while a forward runs. Measured with bench/predict.py
-            # on 2 cores, resnet18 at one client: p50 8.7 ms on one thread, 9.8 ms on both (whose
-            # threads wait on each other at every op whenever the API or Redis take a core).
+            # On a CPU device, inference ops run on part of the cores (half: one thread on 2 cores)
+            # and leave the rest to the API, Redis, decoding and training. More threads do not pay
+            # from this thread: once a process has more OpenMP threads than cores (the main thread's
+            # team, from training or building a model, counts), libgomp cuts its spin-wait between
+            # parallel regions to at most 1,000 iterations (its "throttled" do_spin), so every op's
+            # team sleeps and wakes through futexes. Measured on 2 cores, resnet18 batch 1 from a
+            # second thread: 5.9-7.0 ms on two threads while the main thread had never run a
+            # parallel op, 9.4-10.5 ms once it had, 7.5-8.3 ms on one thread (bench/predict.py at
+            # one client: p50 11.2-12.6 ms on one thread, 13.7-13.9 on two, alternating runs).
             torch.set_num_threads(self.cpu_threads)
         self._staging = HostStaging(torch.device(self.device.torch_device), self.max_batch, pinned=self.device.kind == "cuda")
         while not self._halt.is_set():
@@ -304,6 +329,7 @@ class InferenceServer:
                 groups = self._ready.get(timeout=0.5)
             except queue.Empty:
                 continue
+            self._device_idle.clear()
             self._device_busy.set()
             try:
                 for group in groups:
@@ -311,6 +337,7 @@ class InferenceServer:
             finally:
                 self._device_free_at = time.time()
                 self._device_busy.clear()
+                self._device_idle.set()
 
     def _run(self, group: PreparedGroup) -> None:
         try:
@@ -321,7 +348,10 @@ class InferenceServer:
             log.exception("inference for job %s failed", group.job_id)
             self._reply_errors([r for r, _ in group.owners], 503, f"inference failed on {self.device.id}: {exc}")
             return
-        self._pool.submit(self._send_results, group, probabilities)
+        if len(group.arrays) <= INLINE_REPLY_IMAGES and self._ready.empty():
+            self._send_results(group, probabilities)  # nothing waits for the device: spare a hand-off
+        else:
+            self._pool.submit(self._send_results, group, probabilities)
 
     def _forward(self, entry: ResidentModel, arrays: list[np.ndarray]) -> torch.Tensor:
         """Probabilities (on the host) of `arrays`, padded to a bucketed size where that pays."""
@@ -342,17 +372,17 @@ class InferenceServer:
     def _send_results(self, group: PreparedGroup, probabilities: torch.Tensor) -> None:
         try:
             meta = group.entry.meta
-            classes = meta.classes
+            # One top-k for the whole group (the largest any request asked for), sliced per request.
+            k = min(max(request.top_k for request, _ in group.owners), meta.num_classes)
+            values, indices = probabilities.topk(k, dim=1)
+            all_values, all_indices = values.tolist(), indices.tolist()
             replies: dict[str, list[str]] = defaultdict(list)  # by inbox: one RPUSH per API process
             for request, begin in group.owners:
                 top_k = min(request.top_k, meta.num_classes)
-                values, indices = probabilities[begin:begin + len(request.images)].topk(top_k, dim=1)
-                results = [ImagePredictions(filename=image.filename, predictions=[
-                    Prediction(label=classes[i], index=i, probability=p) for p, i in zip(ps, ix, strict=True)])
-                    for image, ps, ix in zip(request.images, values.tolist(), indices.tolist(), strict=True)]
-                response = PredictResponse(job_id=group.job_id, model=meta.architecture, device=self.device.id,
-                                           results=results)
-                replies[request.reply_to].append(PredictReply.ok(response).encode_to(request.request_id))
+                rows = [(image.filename, all_indices[begin + j][:top_k], all_values[begin + j][:top_k])
+                        for j, image in enumerate(request.images)]
+                reply = PredictReply.predictions(group.job_id, meta.architecture, self.device.id, meta.classes, rows)
+                replies[request.reply_to].append(reply.encode_to(request.request_id))
             self._send_replies(replies)
         except Exception:
             log.exception("answering predictions of job %s failed", group.job_id)
@@ -393,8 +423,11 @@ class InferenceServer:
         self._send_replies(replies)
 
 
-def _decode_or_error(data: bytes, meta: ModelMeta, max_pixels: int) -> np.ndarray | BadImage:
-    try:
-        return decode_image(data, meta, max_pixels)
-    except BadImage as exc:
-        return exc
+def _decode_chunk(data: list[bytes], meta: ModelMeta, max_pixels: int) -> list[np.ndarray | BadImage]:
+    decoded: list[np.ndarray | BadImage] = []
+    for one in data:
+        try:
+            decoded.append(decode_image(one, meta, max_pixels))
+        except BadImage as exc:
+            decoded.append(exc)
+    return decoded

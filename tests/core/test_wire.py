@@ -1,0 +1,36 @@
+"""The /predict wire protocol (core/wire.py): what the worker writes is what the API's clients read."""
+
+from __future__ import annotations
+
+import json
+
+from core.schemas import ImagePredictions, Prediction, PredictResponse
+from core.wire import PredictReply
+
+CLASSES = ["cat", "dog", 'quote " and unicode é', "bird"]
+
+
+def test_fast_predictions_body_is_the_pydantic_response_byte_for_byte() -> None:
+    images = [("a.png", [2, 0, 3], [0.7, 0.2, 1e-05]), (None, [1], [0.999999])]
+    reply = PredictReply.predictions("job-1", "resnet18", "cuda:0", CLASSES, images)
+    expected = PredictResponse(job_id="job-1", model="resnet18", device="cuda:0", results=[
+        ImagePredictions(filename=f, predictions=[Prediction(label=CLASSES[i], index=i, probability=p)
+                                                  for i, p in zip(ix, ps, strict=True)])
+        for f, ix, ps in images])
+    assert reply.status == 200
+    assert PredictResponse.model_validate_json(reply.body) == expected
+    assert json.loads(reply.body) == json.loads(expected.model_dump_json())
+    assert list(json.loads(reply.body)) == list(json.loads(expected.model_dump_json()))  # same field order
+
+
+def test_non_finite_probabilities_become_null_not_invalid_json() -> None:
+    reply = PredictReply.predictions("j", "m", "cpu", CLASSES, [("x.png", [0, 1], [float("nan"), float("inf")])])
+    document = json.loads(reply.body)  # strict JSON: NaN would not parse in most clients
+    assert [p["probability"] for p in document["results"][0]["predictions"]] == [None, None]
+    assert "NaN" not in reply.body and "Infinity" not in reply.body
+
+
+def test_addressed_reply_round_trip() -> None:
+    reply = PredictReply.predictions("j", "m", "cpu", CLASSES, [("x.png", [3], [1.0])])
+    request_id, decoded = PredictReply.decode_addressed(reply.encode_to("abc123"))
+    assert request_id == "abc123" and decoded.status == 200 and decoded.body == reply.body
