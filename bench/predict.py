@@ -520,8 +520,17 @@ def report(args, raw, service, lit, empty, api_workers) -> str:
 
 FINDINGS = """What profiling (py-spy, CPU time per request) found and fixed on this host, before → after:
 OpenMP threads spinning between ops of the inference thread: worker CPU per cifar_net request
-42 → 1 ms (the forward runs on half the cores, here one thread with no OpenMP team; the
-`OMP_WAIT_POLICY=PASSIVE` once used instead cost training a third of its speed); gen-2 garbage collections over the whole
+42 → 1 ms (the `OMP_WAIT_POLICY=PASSIVE` once used instead cost training a third of its speed);
+two OpenMP teams in the worker (the intake thread's, made by loading a model, beside the forward's),
+over which libgomp throttled both to futex sleeps at every op: a one-thread forward was the faster
+(resnet18, one client, 9.7-9.9 against 12.2-13.4 ms on two threads); with one team at a time
+(worker/cpu_threads.py: the intake and decode threads pinned to one thread, jobs in threads of
+their own) the forward has the cores while no job runs: one client 11.6-12.0 → 9.6-9.8 ms, 32
+clients 661-684 → 731-832 images/s, alternating runs; per image, the worker's decode pool tasks
+(one per image, now one chunk per thread, a lone image on the intake thread), the pydantic reply
+models (now encoded from lists: 27 → 15 µs) and a second Redis round trip per batch (BLPOP and
+LPOP now pipelined): worker CPU per cifar_net image at c=32 0.29-0.31 → 0.22-0.25 ms, same run
+pairs; gen-2 garbage collections over the whole
 imported world (`gc.freeze()` once started) stalled every request in flight ~200 ms: c=32 p99
 214 → 19 ms; FastAPI's multipart parsing (~250 µs a request; a lean reader in
 app/api/multipart.py); uvicorn's access log (~15% of the API's CPU; `TORCHYARD_ACCESS_LOG`, off by

@@ -48,9 +48,10 @@ OMP_NOTE = ("This host's speed moves by a third from minute to minute (other ten
             "`OMP_WAIT_POLICY=PASSIVE`: in six runs of the 2-thread loop on this host (the one above among "
             "them) PASSIVE did 9,100 to 12,800 img/s against 10,900 to 17,900 for OpenMP's default, slower "
             "every time. PASSIVE was set for /predict, whose inference OpenMP threads "
-            "spun between requests; a CPU worker's /predict forward now runs on half the cores (one thread "
-            "on this host: no OpenMP team at all). A capped spin (`GOMP_SPINCOUNT=30000`) was within the "
-            "noise of the default, so the worker sets nothing.")
+            "spun between requests; a CPU worker's /predict forward now runs on one thread while a job runs "
+            "(no OpenMP team at all: two teams in one process throttle each other, worker/cpu_threads.py), "
+            "and the job runs in a thread of its own whose team ends with it. A capped spin "
+            "(`GOMP_SPINCOUNT=30000`) was within the noise of the default, so the worker sets nothing.")
 # OpenMP's waiting between operators: libgomp's default, no spin at all, a short spin.
 OMP_SETTINGS = {"default": {}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
                 "GOMP_SPINCOUNT=30000": {"GOMP_SPINCOUNT": "30000"}}

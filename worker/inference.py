@@ -28,6 +28,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +50,7 @@ from core.wire import (
 )
 from worker.batching import BatchWindow, HostStaging, bucket_size
 from worker.checkpoint import CheckpointError, ModelMeta
+from worker.cpu_threads import ForwardThreads, pin_to_one_thread
 from worker.device import WorkerDevice
 from worker.model_cache import ModelCache, ResidentModel
 from worker.preprocess import apply_preprocessing, normalize
@@ -58,6 +60,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.001  # the longest sleep between two polls of the list while a batch fills
 POLL_MIN_S = 0.0002  # while a batch waits for the device
 INLINE_REPLY_IMAGES = 4  # a batch this small is answered by the device thread itself when no batch waits
+DEVICE_POLL_S = 0.05  # how often an idle device thread looks whether a job started (it then leaves the cores)
 HIGH_PRIORITY = -1  # torch.cuda.Stream: lower is higher; out-of-range values clamp to the highest
 
 
@@ -80,6 +83,7 @@ class InferenceStats:
         self.max_batch = 0
         self.errors = 0
         self.histogram: dict[int, int] = defaultdict(int)
+        self.forward_threads = 0  # a CPU device's torch threads for the forward now (0: not a CPU device)
 
     def failed(self) -> None:
         """A batch that could not be served (the intake and the device thread both count them)."""
@@ -96,7 +100,7 @@ class InferenceStats:
     def as_dict(self) -> dict[str, Any]:
         with self._lock:
             return {"batches": self.batches, "images": self.images, "max_batch": self.max_batch,
-                    "errors": self.errors,
+                    "errors": self.errors, "forward_threads": self.forward_threads,
                     "batch_size_histogram": {str(k): v for k, v in sorted(self.histogram.items())},
                     "cache": self.cache.stats()}
 
@@ -130,22 +134,21 @@ class PreparedGroup:
 class InferenceServer:
     def __init__(self, client: redis.Redis, device: WorkerDevice, cache: ModelCache, *, max_batch: int,
                  max_wait_ms: float, max_pixels: int, cpu_threads: int | None = None,
-                 decode_threads: int | None = None, pad_to_buckets: bool | None = None) -> None:
+                 decode_threads: int | None = None, pad_to_buckets: bool | None = None,
+                 job_running: Callable[[], bool] | None = None) -> None:
         self.redis = client
         self.device = device
         self.cache = cache
         self.max_batch = max_batch
         self.max_pixels = max_pixels
-        self.cpu_threads = cpu_threads or max(1, (os.cpu_count() or 1) // 2)
+        # A CPU device's forward: all the cores (or `cpu_threads`) while no job runs on this worker,
+        # one while one does (worker/cpu_threads.py).
+        self.forward_threads = ForwardThreads(cpu_threads or os.cpu_count() or 1)
+        self.job_running = job_running or (lambda: False)
         self.decode_threads = decode_threads or min(4, os.cpu_count() or 1)
         # Padding to bucketed sizes pays on a GPU (cuDNN tunes per shape) and costs on a CPU; the
         # tests turn it on for the CPU to run the same path.
         self.pad_to_buckets = device.kind == "cuda" if pad_to_buckets is None else pad_to_buckets
-        if device.kind == "cpu":
-            # Pin the calling (main, training) thread's own OpenMP thread count now: torch gives a
-            # thread that has not run a parallel op yet the count last set by *any* thread, and the
-            # device thread is about to set a smaller one for itself.
-            torch.get_num_threads()
         self.queue = keys.predict_queue(device.id)
         self.stats = InferenceStats(cache)
         self.window = BatchWindow(max_batch, max_wait_ms / 1000)
@@ -155,30 +158,49 @@ class InferenceServer:
         self._device_idle = threading.Event()  # its complement, to wait on
         self._device_idle.set()
         self._device_free_at = 0.0  # epoch s: when the device thread last finished a batch
-        self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="torchyard-decode")
+        self._pool = ThreadPoolExecutor(self.decode_threads, thread_name_prefix="torchyard-decode",
+                                        initializer=pin_to_one_thread)
         self._stream: Any = None
         self._staging: HostStaging | None = None
         self._warms: list[WarmRequest] = []  # taken off the list with the requests, served after them
-        self._threads = [threading.Thread(target=self._intake_loop, name="torchyard-intake", daemon=True),
-                         threading.Thread(target=self._device_loop, name="torchyard-inference", daemon=True)]
+        self._cores_free = threading.Event()  # the device thread holds no OpenMP team
+        self._intake_thread = threading.Thread(target=self._intake_loop, name="torchyard-intake", daemon=True)
+        self._device_thread = self._new_device_thread()
+
+    def _new_device_thread(self) -> threading.Thread:
+        return threading.Thread(target=self._device_loop, name="torchyard-inference", daemon=True)
 
     def start(self) -> None:
-        for thread in self._threads:
-            thread.start()
+        self._intake_thread.start()
+        self._device_thread.start()
 
     def stop(self) -> None:
         self._halt.set()
 
     def join(self, timeout: float | None = None) -> None:
-        for thread in self._threads:
-            thread.join(timeout)
+        self._intake_thread.join(timeout)
+        while True:  # a device thread may have handed over to a fresh one meanwhile
+            device_thread = self._device_thread
+            device_thread.join(timeout)
+            if device_thread is self._device_thread:
+                break
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def release_cores(self, timeout_s: float = 10.0) -> None:
+        """Before a job starts (`job_running` is true by now): wait until a CPU device's forward has
+        left the cores to it, running on one thread with no OpenMP team (worker/cpu_threads.py).
+        Bounded: a forward that takes longer delays the job's start by `timeout_s` at most."""
+        if self.device.kind != "cpu" or self._halt.is_set() or not self._device_thread.is_alive():
+            return
+        if not self._cores_free.wait(timeout_s):
+            log.warning("the /predict forward did not leave the cores within %gs; the job starts anyway", timeout_s)
 
     # ------------------------------------------------------------------ intake thread
     def _intake_loop(self) -> None:
         # The worker's imports, Celery and torch state live as long as the process: keep them out
         # of the collector's full passes, which scanned them all and stalled a batch ~200 ms each.
         gc.freeze()
+        pin_to_one_thread()  # it loads models: their copies must not make an OpenMP team here
         while not self._halt.is_set():
             try:
                 requests = self._collect()
@@ -312,21 +334,27 @@ class InferenceServer:
             self._stream = torch.cuda.Stream(priority=HIGH_PRIORITY)
             # Tuned once per input shape: batch sizes are bucketed (worker/batching.bucket_size).
             torch.backends.cudnn.benchmark = True
-        else:
-            # On a CPU device, inference ops run on part of the cores (half: one thread on 2 cores)
-            # and leave the rest to the API, Redis, decoding and training. More threads do not pay
-            # from this thread: once a process has more OpenMP threads than cores (the main thread's
-            # team, from training or building a model, counts), libgomp cuts its spin-wait between
-            # parallel regions to at most 1,000 iterations (its "throttled" do_spin), so every op's
-            # team sleeps and wakes through futexes. Measured on 2 cores, resnet18 batch 1 from a
-            # second thread: 5.9-7.0 ms on two threads while the main thread had never run a
-            # parallel op, 9.4-10.5 ms once it had, 7.5-8.3 ms on one thread (bench/predict.py at
-            # one client: p50 11.2-12.6 ms on one thread, 13.7-13.9 on two, alternating runs).
-            torch.set_num_threads(self.cpu_threads)
         self._staging = HostStaging(torch.device(self.device.torch_device), self.max_batch, pinned=self.device.kind == "cuda")
+        threads = most_threads = 0
         while not self._halt.is_set():
+            if self.device.kind == "cpu":
+                wanted = self.forward_threads.wanted(self.job_running())
+                if ForwardThreads.must_hand_over(wanted, most_threads):
+                    self._cores_free.clear()
+                    self._device_thread = self._new_device_thread()  # one with no team, for the job's time
+                    self._device_thread.start()
+                    return
+                if wanted != threads:
+                    torch.get_num_threads()  # torch's lazy per-thread start first, then ours
+                    torch.set_num_threads(wanted)
+                    threads, most_threads = wanted, max(most_threads, wanted)
+                    self.stats.forward_threads = threads
+                if most_threads == 1:
+                    self._cores_free.set()
+                else:
+                    self._cores_free.clear()
             try:
-                groups = self._ready.get(timeout=0.5)
+                groups = self._ready.get(timeout=DEVICE_POLL_S)
             except queue.Empty:
                 continue
             self._device_idle.clear()

@@ -22,6 +22,7 @@ from core.redis import OUTAGE_ERRORS
 from core.schemas import JobKind, JobStatus
 from core.storage import CheckpointPaths
 from worker.checkpoint import CheckpointError
+from worker.cpu_threads import run_in_own_thread
 from worker.data import DatasetUnavailable
 from worker.delivery import Delivery, ride_out_outage
 from worker.device import WorkerDevice
@@ -50,8 +51,13 @@ _KNOWN_FAILURES = (JobFailed, DatasetUnavailable, NonFiniteLoss, CheckpointError
 class JobRunner:
     def __init__(self, settings: Settings, device: WorkerDevice, store: JobStore, catalog: DatasetCatalog,
                  state: WorkerState, *, health: DeviceHealth | None = None, instance: str = "",
-                 take_out_of_service: Callable[[str], None] | None = None) -> None:
+                 take_out_of_service: Callable[[str], None] | None = None, torch_threads: int | None = None,
+                 release_cores: Callable[[], None] | None = None) -> None:
         self.settings = settings
+        # The job runs in a thread of its own on `torch_threads` (the process's default: all the
+        # cores), after `release_cores` has taken the /predict forward off them (worker/cpu_threads.py).
+        self.torch_threads = torch_threads or torch.get_num_threads()
+        self.release_cores = release_cores or (lambda: None)
         self.device = device
         self.store = store
         self.catalog = catalog
@@ -80,7 +86,8 @@ class JobRunner:
         self.state.begin(job_id, token)
         delivery = Delivery(self.store, self.paths, job_id, token, halted=self.state.shutdown.is_set)
         try:
-            self._execute(delivery)
+            self.release_cores()
+            run_in_own_thread(lambda: self._execute(delivery), self.torch_threads, f"torchyard-job-{job_id}")
         except OUTAGE_ERRORS as exc:  # only while shutting down: the calls wait out an outage otherwise
             log.warning("job %s: Redis is unavailable while this worker shuts down (%s); its lease will lapse "
                         "and another worker resumes it", job_id, exc)

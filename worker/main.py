@@ -78,6 +78,9 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     from worker.model_cache import ModelCache
 
     check_cuda(device)
+    # The jobs' torch threads: the process's default (all the cores, or OMP_NUM_THREADS), read here
+    # in the main thread before any other thread sets a count (worker/cpu_threads.py).
+    job_threads = torch.get_num_threads()
     client = connect(settings.resolved_redis_url())
     celery = create_celery(settings, with_tasks=True)
     store = JobStore(client, dispatcher(celery), lease_ttl_s=settings.lease_ttl_s,
@@ -93,7 +96,8 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     inference = InferenceServer(client, device, cache, max_batch=settings.predict_max_batch,
                                 max_wait_ms=settings.predict_max_wait_ms, max_pixels=settings.max_image_pixels,
                                 cpu_threads=settings.predict_cpu_threads,
-                                decode_threads=settings.predict_decode_threads)
+                                decode_threads=settings.predict_decode_threads,
+                                job_running=lambda: state.current_job is not None)
     out_of_service_once = threading.Lock()
 
     def take_out_of_service(reason: str) -> None:
@@ -110,7 +114,8 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
                           sweeper=Sweeper(store, paths, instance, settings.lease_ttl_s), health=health,
                           take_out_of_service=take_out_of_service)
     runner = JobRunner(settings, device, store, DatasetCatalog(client, settings, store), state, health=health,
-                       instance=instance, take_out_of_service=take_out_of_service)
+                       instance=instance, take_out_of_service=take_out_of_service, torch_threads=job_threads,
+                       release_cores=inference.release_cores)
     _current = WorkerRuntime(settings, device, runner)
 
     worker_shutting_down.connect(lambda **_: state.shutdown.set(), weak=False)

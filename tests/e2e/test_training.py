@@ -4,6 +4,7 @@ idempotent submission, listing, and resuming after a worker is killed."""
 from __future__ import annotations
 
 import hashlib
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -82,11 +83,18 @@ def test_builtins_through_torchvision_and_missing_files(own_stack: dict) -> None
     assert not list(data_dir.glob("datasets/*")) and not list(data_dir.glob("datasets/.*"))
 
 
+def _forward_threads(client: httpx.Client) -> int | None:
+    (device,) = client.get("/devices").json()["devices"]
+    return (device.get("inference") or {}).get("forward_threads")
+
+
 def test_cancel_running_queued_and_finished(stack: dict) -> None:
     client = stack["client"]
     running = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 500, "patience": 0}).json()
     wait_until(lambda: client.get(f"/jobs/{running['id']}").json()["progress"]["step"] > 0, timeout=60,
                what="the long job to be training")
+    # The job has the cores: the CPU device's /predict forward is down to one thread meanwhile.
+    wait_until(lambda: _forward_threads(client) == 1, timeout=10, what="the forward to leave the cores")
     queued = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 1}).json()
     assert client.get(f"/jobs/{queued['id']}").json()["status"] == "queued"  # the only worker is busy
 
@@ -102,6 +110,8 @@ def test_cancel_running_queued_and_finished(stack: dict) -> None:
     # The worker is free now and receives the cancelled job's message: it must not start it.
     probe = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 1}).json()
     assert wait_for_job(client, probe["id"], {"succeeded", "failed"})["status"] == "succeeded"
+    # And takes them back once no job runs (worker/cpu_threads.py).
+    wait_until(lambda: _forward_threads(client) == os.cpu_count(), timeout=10, what="the forward to get the cores")
     never = client.get(f"/jobs/{queued['id']}").json()
     assert never["status"] == "cancelled" and never["attempts"] == 0 and never["started_at"] is None
     assert _events(client, queued["id"]) == ["status", "status"]  # queued, cancelled

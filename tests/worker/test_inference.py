@@ -70,6 +70,18 @@ def test_gif_uses_the_first_frame_and_grayscale_models_get_one_channel() -> None
     assert decode_image(_encode(_rgb(2), "PNG"), gray, max_pixels=10_000).shape == (1, 50, 50)
 
 
+def test_a_png_whose_header_fits_but_whose_data_is_broken_is_a_415() -> None:
+    """Why PNGs are not decoded by libpng through torchvision.io.decode_png, though it takes half of
+    PIL's CPU for a 32×32 PNG (16 against 30 µs): torchvision 0.29.1 segfaults on this very file,
+    a worker killed by one upload."""
+    data = bytearray(_encode(_rgb(13), "PNG"))
+    idat = data.index(b"IDAT")
+    data[idat + 8:idat + 40] = bytes(32)  # zlib stream destroyed, header intact
+    with pytest.raises(BadImage) as info:
+        decode_image(bytes(data), META, max_pixels=10_000)
+    assert info.value.status == 415
+
+
 @pytest.mark.parametrize("data", [b"", b"not an image at all", _encode(_rgb(3), "PNG")[:200],
                                   _encode(_rgb(3), "TIFF")])
 def test_undecodable_input_is_a_415(data: bytes) -> None:
