@@ -303,7 +303,19 @@ def report(command: str, n: int, results: dict[str, dict], load: tuple[float, fl
     lines += ["", "The service's epochs, one list per job: " + "; ".join(f"{m}: {r['c']['epochs']}" for m, r in results.items()),
               "; the tutorial loop's 500-image windows: " + "; ".join(
                   f"{m}: {r['a']['windows']} ({r['a']['images']} images in {r['a']['seconds']:.1f} s)"
-                  for m, r in results.items()), "", OMP_NOTE, ""]
+                  for m, r in results.items()), ""]
+    for model, r in results.items():
+        rounds = [t["images_per_second"] for t in r["b"]["tried"] if t.get("after")]
+        jobs = [max(epochs[1:] or epochs) for epochs in r["c"]["epochs"]]
+        pairs = [job / floor for job, floor in zip(jobs, rounds, strict=False)]
+        if pairs:
+            lines += [f"{model}, each job's best epoch against the floor round run just before it: "
+                      + ", ".join(f"{p:.2f}" for p in pairs)
+                      + (" (above 1.00: the job runs the floor's steps, same model, optimiser, batch and data, "
+                         "plus its own bookkeeping, so the excess is this host's speed drifting between the two "
+                         "runs)" if max(pairs) > 1 else ""),
+                      ""]
+    lines += [OMP_NOTE, ""]
     return "\n".join(lines)
 
 
