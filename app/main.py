@@ -74,4 +74,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     for module in (devices, models, datasets, jobs, predict, metrics, aliases, exports):
         app.include_router(module.router, dependencies=documented)
+    # The routes as declared, for the front gate to name the route of a request it refuses
+    # (FastAPI keeps included routers behind wrappers of its own in app.router.routes).
+    app.state.declared_routes = [route for module in (health, devices, models, datasets, jobs, predict, metrics,
+                                                      aliases, exports) for route in module.router.routes]
     return app

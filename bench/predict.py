@@ -485,10 +485,11 @@ def report(args, raw, service, lit, empty, api_workers) -> str:
     for model in service:
         for c in (1, MAX_BATCH):
             cell = service[model][c]
-            # The service's forward runs on all the cores with OpenMP's default waiting (no job runs):
-            # the floor's CPU per image at that setting, both OpenMP threads counted.
+            # The service's forward runs on half the cores (TORCHYARD_PREDICT_CPU_THREADS unset) with
+            # OpenMP's default waiting: the floor's CPU per image at the nearest setting it measured.
+            threads = min({t for t, _ in FLOOR_SETTINGS}, key=lambda t: abs(t - max(1, (os.cpu_count() or 1) // 2)))
             forward = next(t["cpu_us_per_image"] for t in raw[model][c]["tried"]
-                           if t["threads"] == FLOOR_SETTINGS[-1][0] and t["omp"] == "default") / 1e3
+                           if t["threads"] == threads and t["omp"] == "default") / 1e3
             cpu.append(f"| {model} | {c} | {cell['api_cpu_ms']:.3f} ms | {cell['worker_cpu_ms']:.3f} ms | "
                        f"{cell['redis_cpu_ms']:.3f} ms | {max(0.0, cell['worker_cpu_ms'] - forward) * 1e3:.0f} µs |")
     batch_lines = []
@@ -515,7 +516,7 @@ def report(args, raw, service, lit, empty, api_workers) -> str:
             f"(c) is the best of {len(LITSERVE_CONFIGS)} LitServe configurations per cell:\n\n" + "\n".join(peers)
             + "\n\n(d) The HTTP front end alone, same request, 32 clients:\n\n" + empty_lines + "\n\n"
             "CPU time per request of the torchyard processes (robust to a busy host, unlike wall-clock "
-            "figures; the forward's own CPU per image is the floor's at the service's setting, all the cores and OpenMP's default waiting, taken off the worker's; at c=1 the processes' background work, heartbeats and Celery's consumer, is spread over few requests):\n\n" + "\n".join(cpu) + "\n\n"
+            "figures; the forward's own CPU per image is the floor's at the service's setting, half the cores and OpenMP's default waiting, taken off the worker's; at c=1 the processes' background work, heartbeats and Celery's consumer, is spread over few requests):\n\n" + "\n".join(cpu) + "\n\n"
             "Batches formed by the torchyard worker during the c=32 cells:\n\n" + "\n".join(batch_lines) + "\n\n"
             f"Load average (1 min) at the start and end of the run: {LOAD_START[0]:.1f}, {os.getloadavg()[0]:.1f}.\n\n"
             + FINDINGS)
@@ -528,8 +529,8 @@ two OpenMP teams in the worker (the intake thread's, made by loading a model, be
 over which libgomp throttled both to futex sleeps at every op: a one-thread forward was the faster
 (resnet18, one client, 9.7-9.9 against 12.2-13.4 ms on two threads); with one team at a time
 (worker/cpu_threads.py: the intake and decode threads pinned to one thread, jobs in threads of
-their own) the forward has the cores while no job runs: one client 11.6-12.0 → 9.6-9.8 ms, 32
-clients 661-684 → 731-832 images/s, alternating runs; per image, the worker's decode pool tasks
+their own) a two-thread forward is no longer throttled, but its spinning doubled the worker's CPU
+per request and slowed every cell on 2 shared cores, so the default stays half the cores; per image, the worker's decode pool tasks
 (one per image, now one chunk per thread, a lone image on the intake thread), the pydantic reply
 models (now encoded from lists: 27 → 15 µs) and a second Redis round trip per batch (BLPOP and
 LPOP now pipelined): worker CPU per cifar_net image at c=32 0.29-0.31 → 0.22-0.25 ms, same run

@@ -85,7 +85,8 @@ class Settings(BaseSettings):
     predict_cpu_threads: int | None = Field(
         default=None, ge=1,
         description="torch threads of a CPU worker's /predict forward while no job runs on it; while one "
-                    "does, one thread, so the job has the cores (worker/cpu_threads.py). Unset: all the cores.")
+                    "does, one thread, so the job has the cores (worker/cpu_threads.py). Unset: half the cores, "
+                    "at least 1.")
 
     # --- limits on input -------------------------------------------------------------------
     max_image_bytes: int = Field(default=10 * 1024**2, ge=1)

@@ -12,16 +12,24 @@ thread. So a worker keeps one team at a time:
 - While a job runs, its thread has the cores, and the /predict forward of a CPU device runs on one
   thread (no team). The job runs in a thread of its own (`run_in_own_thread`), so its team ends
   with it instead of living on, idle, in Celery's main thread.
-- While no job runs, the CPU device thread has the cores (worker/inference.py). A team cannot be
-  shrunk, so when a job starts the device thread hands over to a fresh one-thread device thread
-  (`ForwardThreads.must_hand_over`) and the job waits for that (`InferenceServer.release_cores`).
+- While no job runs, the CPU device thread's forward has `predict_cpu_threads` (half the cores)
+  (worker/inference.py). A team cannot be shrunk, so when a job starts the device thread hands
+  over to a fresh one-thread device thread (`ForwardThreads.must_hand_over`) and the job waits for
+  that (`InferenceServer.release_cores`).
 - Every other thread that touches torch (intake, decode pool) is pinned to one thread
   (`pin_to_one_thread`).
 
-Measured with bench/predict.py's stack (resnet18, 2 cores, alternating runs): one client p50
-11.6-12.0 ms with a one-thread forward, 9.6-9.8 ms with the cores; 32 clients 661-684 against
-731-832 images/s. (Before the pinning, the intake thread's model load made a second team and the
-two-thread forward was the slower: 12.2-13.4 against 9.7-9.9 ms.)
+Why half the cores and not all, measured on this 2-core host where the API, Redis and the load
+client share the cores with the worker: with one team the forward's second thread is no longer
+throttled, so it spins between ops as libgomp means it to, and takes the core the API and Redis
+need. resnet18 alone, alternating runs of bench/predict.py's stack, looked better on two threads
+(one client p50 9.6-9.8 against 11.6-12.0 ms; 32 clients 731-832 against 661-684 images/s), but
+the full bench/predict.py run had the worker's CPU per request doubled and every cell slower:
+resnet18 one client 10.4 ms (worker CPU 19.2 ms per request, against 8.8 on one thread), 32
+clients 639 against 727 images/s; cifar_net one client 2.7 against 1.8 ms, 32 clients 1,519
+against 1,734 images/s. A host with cores to spare (or a CPU worker alone on its machine) sets
+TORCHYARD_PREDICT_CPU_THREADS higher; one team at a time is what keeps that from throttling the
+jobs. (Before the pinning, the intake thread's model load made a second team in every worker.)
 """
 
 from __future__ import annotations

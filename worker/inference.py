@@ -141,9 +141,9 @@ class InferenceServer:
         self.cache = cache
         self.max_batch = max_batch
         self.max_pixels = max_pixels
-        # A CPU device's forward: all the cores (or `cpu_threads`) while no job runs on this worker,
-        # one while one does (worker/cpu_threads.py).
-        self.forward_threads = ForwardThreads(cpu_threads or os.cpu_count() or 1)
+        # A CPU device's forward: half the cores (or `cpu_threads`) while no job runs on this worker,
+        # one while one does (worker/cpu_threads.py says why not all of them).
+        self.forward_threads = ForwardThreads(cpu_threads or max(1, (os.cpu_count() or 1) // 2))
         self.job_running = job_running or (lambda: False)
         self.decode_threads = decode_threads or min(4, os.cpu_count() or 1)
         # Padding to bucketed sizes pays on a GPU (cuDNN tunes per shape) and costs on a CPU; the

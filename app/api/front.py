@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from starlette.exceptions import HTTPException
-from starlette.routing import compile_path
+from starlette.routing import Match, compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from core.config import Settings
@@ -199,6 +199,18 @@ class DirectRoute:
         self.endpoint = endpoint
 
 
+def _label_route(scope: Scope) -> None:
+    """The route a refused request was for, so /metrics counts a 401, 413 or 415 under its route
+    template (RequestMetricsMiddleware reads `scope["route"]`) rather than as `unmatched`. Run on
+    refusals only: the app's declared routes (app/main.py) are matched by Starlette, as routing would."""
+    state = getattr(scope.get("app"), "state", None)
+    for route in getattr(state, "declared_routes", ()):
+        match, _ = route.matches(scope)
+        if match is not Match.NONE:
+            scope["route"] = route
+            return
+
+
 class FrontGate:
     def __init__(self, app: ASGIApp, settings: Settings,
                  direct: dict[tuple[str, str], DirectRoute] | None = None) -> None:
@@ -221,6 +233,7 @@ class FrontGate:
         try:
             self._judge(scope["method"], head, policy, cap)
         except _Refusal as refusal:
+            _label_route(scope)
             await _reply(send, refusal.status, refusal.detail, close=head.has_body, headers=refusal.headers)
             return
 

@@ -42,6 +42,8 @@ def test_metrics_exposition(stack: dict) -> None:
                              files={"file": ("p3.png", image, "image/png")})
         assert answer.status_code == 200, answer.text
     assert client.get("/jobs/not-a-job-123").status_code == 404
+    # Refused by the front gate on its headers, before any route runs: still counted under the route.
+    assert client.post("/predict", content=b"hello", headers={"content-type": "text/plain"}).status_code == 415
 
     # A long job runs (its epoch throughput shows) while a second one waits in Celery's queue.
     running = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 200, "patience": 0}).json()
@@ -78,6 +80,7 @@ def test_metrics_exposition(stack: dict) -> None:
     # Requests count under their route template, never under a raw id.
     assert value(samples, "torchyard_http_requests_total", method="GET", route="/jobs/{job_id}", status="404") >= 1
     assert value(samples, "torchyard_http_requests_total", method="POST", route="/predict", status="200") >= 3
+    assert value(samples, "torchyard_http_requests_total", method="POST", route="/predict", status="415") >= 1
     assert not any("not-a-job-123" in str(labels) for _, labels in samples)
     assert value(samples, "torchyard_predict_latency_seconds_count") >= 3
     assert value(samples, "torchyard_predict_latency_seconds_sum") > 0

@@ -4,7 +4,6 @@ idempotent submission, listing, and resuming after a worker is killed."""
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -93,8 +92,6 @@ def test_cancel_running_queued_and_finished(stack: dict) -> None:
     running = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 500, "patience": 0}).json()
     wait_until(lambda: client.get(f"/jobs/{running['id']}").json()["progress"]["step"] > 0, timeout=60,
                what="the long job to be training")
-    # The job has the cores: the CPU device's /predict forward is down to one thread meanwhile.
-    wait_until(lambda: _forward_threads(client) == 1, timeout=10, what="the forward to leave the cores")
     queued = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 1}).json()
     assert client.get(f"/jobs/{queued['id']}").json()["status"] == "queued"  # the only worker is busy
 
@@ -110,8 +107,6 @@ def test_cancel_running_queued_and_finished(stack: dict) -> None:
     # The worker is free now and receives the cancelled job's message: it must not start it.
     probe = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 1}).json()
     assert wait_for_job(client, probe["id"], {"succeeded", "failed"})["status"] == "succeeded"
-    # And takes them back once no job runs (worker/cpu_threads.py).
-    wait_until(lambda: _forward_threads(client) == os.cpu_count(), timeout=10, what="the forward to get the cores")
     never = client.get(f"/jobs/{queued['id']}").json()
     assert never["status"] == "cancelled" and never["attempts"] == 0 and never["started_at"] is None
     assert _events(client, queued["id"]) == ["status", "status"]  # queued, cancelled
@@ -197,3 +192,19 @@ def test_resume_after_worker_sigkill(own_stack: dict) -> None:
     assert events.count("resumed") == 1
     body = client.get(f"/jobs/{job['id']}/checkpoint").content
     assert hashlib.sha256(body).hexdigest() == done["checkpoint"]["sha256"]
+
+
+def test_a_job_has_the_cores_and_the_predict_forward_takes_them_back(own_stack: dict) -> None:
+    """One OpenMP team at a time (worker/cpu_threads.py): a CPU worker's /predict forward runs on its
+    threads while no job runs, on one while a job does, and on its threads again after."""
+    client, procs = own_stack["client"], own_stack["procs"]
+    procs.worker("cpu", TORCHYARD_PREDICT_CPU_THREADS="2")
+    wait_until(lambda: client.get("/readyz").status_code == 200, timeout=90, what="a worker heartbeat")
+    wait_until(lambda: _forward_threads(client) == 2, timeout=10, what="the forward on its 2 threads")
+    job = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 500, "patience": 0}).json()
+    wait_until(lambda: client.get(f"/jobs/{job['id']}").json()["progress"]["step"] > 0, timeout=60,
+               what="the job to be training")
+    wait_until(lambda: _forward_threads(client) == 1, timeout=10, what="the forward to leave the cores to the job")
+    assert client.post(f"/jobs/{job['id']}/cancel").status_code == 202
+    assert wait_for_job(client, job["id"], {"cancelled", "failed", "succeeded"}, timeout=30)["status"] == "cancelled"
+    wait_until(lambda: _forward_threads(client) == 2, timeout=10, what="the forward to take the cores back")
