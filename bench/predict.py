@@ -334,10 +334,16 @@ def machine() -> str:
             f"{platform.python_version()}, torch {torch.__version__}")
 
 
+HEARTBEAT_S = 1.0  # the service's heartbeat interval in this bench (TORCHYARD_HEARTBEAT_INTERVAL_S)
+
+
 def batch_histogram(port: int) -> dict[int, int]:
-    """The worker's batch sizes so far (GET /devices → inference): size → batches."""
+    """The worker's batch sizes so far (GET /devices → inference): size → batches. They come with
+    the heartbeat, so this waits one out first: read at once, the previous cell's last second of
+    batches (hundreds of batches of 1 after a one-client cell) was counted in the next cell."""
     import httpx
 
+    time.sleep(HEARTBEAT_S + 0.3)
     device = httpx.get(f"http://127.0.0.1:{port}/devices").json()["devices"][0]
     return {int(k): v for k, v in (device.get("inference") or {}).get("batch_size_histogram", {}).items()}
 
@@ -376,7 +382,7 @@ def run(args: argparse.Namespace) -> str:
     client = redis.Redis.from_url(url)
     for job_id, _ in checkpoints.values():
         client.hset(keys.job(job_id), mapping={"id": job_id, "status": "succeeded"})
-    procs = Processes(url, data_dir, work / "logs", TORCHYARD_HEARTBEAT_INTERVAL_S="1",
+    procs = Processes(url, data_dir, work / "logs", TORCHYARD_HEARTBEAT_INTERVAL_S=str(HEARTBEAT_S),
                       TORCHYARD_HEARTBEAT_TTL_S="5", TORCHYARD_API_WORKERS=str(api_workers))
     port = free_port()
     try:
