@@ -12,7 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from client.sdk import TorchyardClient
@@ -142,11 +142,7 @@ def _train(client: TorchyardClient, args: argparse.Namespace) -> int:
     output.console(sys.stderr).print(f"job {job.id} queued: {job.model} on {job.dataset}, "
                                      f"{job.params.get('epochs')} epochs, device {job.requested_device}")
     if args.detach:
-        if args.json:
-            output.emit_json(job)
-        else:
-            output.console().print(job.id)
-        return EXIT_OK
+        return _detached(job, job.id, args)
     return _follow_and_report(client, job, args)
 
 
@@ -157,15 +153,10 @@ def _evaluate(client: TorchyardClient, args: argparse.Namespace) -> int:
     err = output.console(sys.stderr)
     err.print(f"evaluation {evaluation.id} queued: job {args.job_id} on {evaluation.dataset_name or evaluation.dataset}")
     if args.detach:
-        if args.json:
-            output.emit_json(evaluation)
-        else:
-            output.console().print(evaluation.id)
-        return EXIT_OK
-    try:
-        _follow(client, client.job(evaluation.id), quiet=args.json)
-    except KeyboardInterrupt:
-        return _interrupted(client, evaluation.id, args)
+        return _detached(evaluation, evaluation.id, args)
+    interrupted = _follow_to_end(client, client.job(evaluation.id), args)
+    if interrupted is not None:
+        return interrupted
     final = client.evaluation(args.job_id, evaluation.id)
     if args.json:
         output.emit_json(final)
@@ -178,10 +169,9 @@ def _follow_and_report(client: TorchyardClient, job: Job, args: argparse.Namespa
     """Follow the job's events to its end; Ctrl-C asks whether to cancel (or leaves it running)."""
     from client import output
 
-    try:
-        _follow(client, job, quiet=args.json)
-    except KeyboardInterrupt:
-        return _interrupted(client, job.id, args)
+    interrupted = _follow_to_end(client, job, args)
+    if interrupted is not None:
+        return interrupted
     final = client.job(job.id)
     if args.json:
         output.emit_json(final)
@@ -190,6 +180,26 @@ def _follow_and_report(client: TorchyardClient, job: Job, args: argparse.Namespa
         out.print()
         output.job_report(out, final)
     return EXIT_OK if final.status.value == "succeeded" else EXIT_ERROR
+
+
+def _detached(created: Any, created_id: str, args: argparse.Namespace) -> int:
+    """`--detach`: what was queued, as JSON or just its id, and no following."""
+    from client import output
+
+    if args.json:
+        output.emit_json(created)
+    else:
+        output.console().print(created_id)
+    return EXIT_OK
+
+
+def _follow_to_end(client: TorchyardClient, job: Job, args: argparse.Namespace) -> int | None:
+    """Follow the job's events to its end: None, or the exit code when Ctrl-C interrupted it."""
+    try:
+        _follow(client, job, quiet=args.json)
+    except KeyboardInterrupt:
+        return _interrupted(client, job.id, args)
+    return None
 
 
 def _follow(client: TorchyardClient, job: Job, *, quiet: bool) -> None:
@@ -264,15 +274,10 @@ def _predict_folder(client: TorchyardClient, args: argparse.Namespace) -> int:
                                     batch_size=args.batch_size, device=args.device)
     err.print(f"job {job.id} queued: predictions of job {job.params.get('trained_job')} on dataset {job.dataset}")
     if args.detach:
-        if args.json:
-            output.emit_json(job)
-        else:
-            output.console().print(job.id)
-        return EXIT_OK
-    try:
-        _follow(client, job, quiet=args.json)
-    except KeyboardInterrupt:
-        return _interrupted(client, job.id, args)
+        return _detached(job, job.id, args)
+    interrupted = _follow_to_end(client, job, args)
+    if interrupted is not None:
+        return interrupted
     final = client.job(job.id)
     if final.status.value != "succeeded":
         if args.json:

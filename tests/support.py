@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlparse, urlunparse
 
@@ -122,3 +124,16 @@ def wait_for_job(client: httpx.Client, job_id: str, statuses: set[str], timeout:
         return job if job["status"] in statuses else None
 
     return wait_until(done, timeout=timeout, interval=0.2, what=f"job {job_id} to reach {statuses}")
+
+
+@contextmanager
+def own_api(redis_url: str, root: Path, **env: str) -> Iterator[dict]:
+    """An API of a test's own under `root` (data/, logs/), with `env`; the test starts its workers.
+    Yields {"procs", "client", "data_dir"}; everything it started is stopped at the end."""
+    procs = Processes(redis_url, root / "data", root / "logs", **env)
+    client = httpx.Client(base_url=procs.ready_api(), timeout=60)
+    try:
+        yield {"procs": procs, "client": client, "data_dir": root / "data"}
+    finally:
+        client.close()
+        procs.stop_all()

@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 
 from tests.datagen import shapes_zip
-from tests.support import Processes, wait_for_job, wait_until
+from tests.support import own_api, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -197,13 +197,8 @@ def test_refusals_and_cancel(stack: dict, cifar_pair: tuple[str, str]) -> None:
 @pytest.fixture
 def own(clean_redis_url: str, tmp_path: Path) -> Iterator[dict]:
     """An API of its own with short leases; workers started (and killed) by the test."""
-    procs = Processes(clean_redis_url, tmp_path / "data", tmp_path / "logs", TORCHYARD_LEASE_TTL_S="2")
-    client = httpx.Client(base_url=procs.ready_api(), timeout=60)
-    try:
-        yield {"procs": procs, "client": client, "data_dir": tmp_path / "data"}
-    finally:
-        client.close()
-        procs.stop_all()
+    with own_api(clean_redis_url, tmp_path, TORCHYARD_LEASE_TTL_S="2") as stack:
+        yield stack
 
 
 def test_a_worker_killed_mid_job_is_resumed_and_every_file_is_there_once(own: dict) -> None:

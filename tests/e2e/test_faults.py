@@ -21,7 +21,7 @@ import torch
 from app.embedded_redis import EmbeddedRedis
 from core.config import Settings
 from tests.datagen import shapes_zip
-from tests.support import Processes, free_port, png_bytes, wait_for_job, wait_until
+from tests.support import Processes, free_port, own_api, png_bytes, wait_for_job, wait_until
 from worker.data import fake_images
 
 pytestmark = pytest.mark.e2e
@@ -53,14 +53,8 @@ def _running(client: httpx.Client, job_id: str, attempt: int) -> dict:
 @pytest.fixture
 def own(clean_redis_url: str, tmp_path: Path) -> Iterator[dict]:
     """An API of its own on a flushed database, short leases and two attempts; workers started by the test."""
-    procs = Processes(clean_redis_url, tmp_path / "data", tmp_path / "logs",
-                      TORCHYARD_LEASE_TTL_S="2", TORCHYARD_MAX_ATTEMPTS="2")
-    client = httpx.Client(base_url=procs.ready_api(), timeout=60)
-    try:
-        yield {"procs": procs, "client": client, "data_dir": tmp_path / "data"}
-    finally:
-        client.close()
-        procs.stop_all()
+    with own_api(clean_redis_url, tmp_path, TORCHYARD_LEASE_TTL_S="2", TORCHYARD_MAX_ATTEMPTS="2") as stack:
+        yield stack
 
 
 def test_killed_workers_exhaust_attempts_and_a_corrupt_resume_fails_clearly(own: dict) -> None:

@@ -13,23 +13,18 @@ import httpx
 import pytest
 
 from tests.datagen import CIFAR_CLASSES, shapes_zip, write_cifar10, write_mnist
-from tests.support import Processes, wait_for_job, wait_until
+from tests.support import own_api, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
 def own_stack(clean_redis_url: str, tmp_path: Path) -> Iterator[dict]:
-    """An API and a worker of our own: small lease TTL, few zip entries, test copies of built-ins."""
-    data_dir = tmp_path / "data"
-    procs = Processes(clean_redis_url, data_dir, tmp_path / "logs", TORCHYARD_LEASE_TTL_S="3",
-                      TORCHYARD_MAX_ZIP_ENTRIES="50", TORCHYARD_VERIFY_BUILTIN_CHECKSUMS="false")
-    client = httpx.Client(base_url=procs.ready_api(), timeout=60)
-    try:
-        yield {"client": client, "procs": procs, "data_dir": data_dir}
-    finally:
-        client.close()
-        procs.stop_all()
+    """An API of our own (its workers started by the tests): small lease TTL, few zip entries, test
+    copies of built-ins."""
+    with own_api(clean_redis_url, tmp_path, TORCHYARD_LEASE_TTL_S="3", TORCHYARD_MAX_ZIP_ENTRIES="50",
+                 TORCHYARD_VERIFY_BUILTIN_CHECKSUMS="false") as stack:
+        yield stack
 
 
 def _events(client: httpx.Client, job_id: str) -> list[str]:
