@@ -17,7 +17,7 @@ The estimate, in bytes, for N images of E = C×H×W values, batch B, P parameter
                      the temporaries of preprocess.channel_stats)
     model            P·(8 + optimizer state: 4 SGD momentum, 8 Adam/AdamW) + JOB_OVERHEAD
     a batch          B·(ACTIVATION_FACTOR·A + INPUT_COPIES·4·E), A = bytes autograd saves per
-                     image, traced on the meta device (no memory, no data; see activation_bytes_per_image)
+                     image, traced on the meta device (models/registry.trace_activation_bytes)
     evaluation       max(B, 256)·EVAL_FACTOR·A (no graph is kept: the live layer outputs only)
 
     host  = RUNTIME + max(preparation, dataset + statistics, dataset + model + max(batch, evaluation))
@@ -36,7 +36,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache
 
 from core.config import Settings
 from core.datasets import DatasetRecord, split_sizes
@@ -85,45 +84,18 @@ class MemoryNeed:
         return ", ".join(f"{name} {_gib(size)}" for name, size in top if size > 0)
 
 
-def activation_bytes_per_image(model: str, channels: int, height: int, width: int) -> float:
-    """What autograd saves per image in a training forward pass. For a resizable model it grows with
-    the input's area (traced: ResNet-18 652 bytes per pixel from 32² to 512², MobileNetV3-Small 359
-    plus 47 KB), so two traces per model give every size: a + b·H·W."""
+def activation_bytes_per_image(model: str, height: int, width: int) -> float:
+    """What autograd saves per image in a training forward pass (at the model's input channels).
+    For a resizable model it grows with the input's area (traced: ResNet-18 652 bytes per pixel from
+    32² to 512², MobileNetV3-Small 359 plus 47 KB), so the two traces of ModelSpec.activation_bytes
+    (at the input size and twice it) give every size: a + b·H·W."""
     spec = MODELS[model]
     if spec.input.fixed_size:
-        return _traced_activation_bytes(model, channels, spec.input.height, spec.input.width)
+        return spec.activation_bytes[0]
     small, large = spec.input.height, 2 * spec.input.height
-    a_small = _traced_activation_bytes(model, channels, small, small)
-    a_large = _traced_activation_bytes(model, channels, large, large)
+    a_small, a_large = spec.activation_bytes
     per_pixel = (a_large - a_small) / (large * large - small * small)
     return max(0.0, a_small + per_pixel * (height * width - small * small))
-
-
-@cache
-def _traced_activation_bytes(model: str, channels: int, height: int, width: int) -> float:
-    """Traced on the meta device (shapes only: no memory, no data), at two batch sizes so the weights
-    autograd also saves cancel out. ~0.1 to 0.5 s of CPU, once per (model, input) and process."""
-    import torch
-
-    from models.registry import build_model
-
-    with torch.device("meta"):
-        net = build_model(model, 10, channels)
-    net.train()
-
-    def saved(batch: int) -> int:
-        total = 0
-
-        def pack(tensor: torch.Tensor) -> torch.Tensor:
-            nonlocal total
-            total += tensor.numel() * tensor.element_size()
-            return tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            net(torch.empty(batch, channels, height, width, device="meta"))
-        return total
-
-    return max(0.0, (saved(4) - saved(2)) / 2)
 
 
 def estimate(shape: JobShape, device_type: str) -> MemoryNeed:
@@ -138,9 +110,9 @@ def estimate(shape: JobShape, device_type: str) -> MemoryNeed:
     dataset = 2 * n * values
     preparation = _preparation_bytes(shape.dataset, n, values)
     statistics = STATS_BYTES_PER_VALUE * min(n_train, STATS_SAMPLE) * values
-    parameters = spec.parameters()
+    parameters = spec.parameters
     model = parameters * (8 + OPTIMIZER_STATE_BYTES.get(shape.optimizer, 8))
-    activations = activation_bytes_per_image(shape.model, shape.channels, height, width)
+    activations = activation_bytes_per_image(shape.model, height, width)
     train_batch = int(min(batch, max(n_train, 1)) * (ACTIVATION_FACTOR * activations + INPUT_COPIES * 4 * values))
     n_val = max(n - n_train, 0)
     eval_batch = int(min(max(batch, EVAL_BATCH), n_val) * EVAL_FACTOR * activations)

@@ -97,6 +97,12 @@ return record
 """
 # CIFAR-10's class names (torchvision reads them from the set's batches.meta; these are its values).
 CIFAR10_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+# torchvision's MNIST.classes and FashionMNIST.classes, written out so the API need not import
+# torchvision (tests/core/test_datasets.py checks them against torchvision's).
+MNIST_CLASSES = ["0 - zero", "1 - one", "2 - two", "3 - three", "4 - four", "5 - five", "6 - six", "7 - seven",
+                 "8 - eight", "9 - nine"]
+FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                         "Ankle boot"]
 
 
 def builtin_classes(dataset_id: str) -> list[str] | None:
@@ -105,10 +111,10 @@ def builtin_classes(dataset_id: str) -> list[str] | None:
         return list(FAKE_CLASSES)
     if dataset_id == "cifar10":
         return list(CIFAR10_CLASSES)
-    if dataset_id in ("mnist", "fashion_mnist"):
-        import torchvision.datasets as tvd
-
-        return list((tvd.MNIST if dataset_id == "mnist" else tvd.FashionMNIST).classes)
+    if dataset_id == "mnist":
+        return list(MNIST_CLASSES)
+    if dataset_id == "fashion_mnist":
+        return list(FASHION_MNIST_CLASSES)
     return None
 
 

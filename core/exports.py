@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from core import keys
 from core.errors import Conflict, InvalidInput, NotAvailableHere, NotFound, Unavailable
 from core.jobs import JobStore
+from core.lineage import record_dependent
 from core.schemas import ExportFormat, Job, JobKind, JobStatus
 from core.storage import CheckpointPaths
 
@@ -86,6 +87,15 @@ class ExportCatalog:
                                    f"(export job {existing.id}; retry=true builds it again)")
         return source, self._create(source, sha, fmt), None
 
+    def derived_from(self, job: Job) -> list[str]:
+        """The export jobs built from `job`'s checkpoint, deleted with it (core/retention.JobDeletion):
+        an export is its model in another format, read by nothing else. An export another job with
+        the same checkpoint asked for first is that job's, and stays."""
+        if job.kind is not JobKind.train or job.checkpoint is None:
+            return []
+        exports = (self._current(job.checkpoint.sha256, fmt) for fmt in ExportFormat)
+        return [e.id for e in exports if e is not None and e.params.get("source_job_id") == job.id]
+
     def _current(self, sha: str, fmt: ExportFormat) -> Job | None:
         export_id = self.redis.get(keys.export(sha, fmt.value))
         if not export_id:
@@ -111,6 +121,7 @@ class ExportCatalog:
                                           params=params.model_dump(mode="json"), requested_device="auto",
                                           kind=JobKind.export)
             self.redis.set(keys.export(sha, fmt.value), export.id)
+            record_dependent(self.redis, source.id, export.id)  # the source stays while it is built
             return export
         finally:
             self.redis.delete(lock)

@@ -686,7 +686,7 @@ class JobStore:
             if job_id in pipe.hvals(keys.ALIASES):
                 raise Conflict(f"job {job_id} is the target of an alias; move the alias first")
             pipe.multi()
-            pipe.delete(key, keys.job_events(job_id))
+            pipe.delete(key, keys.job_events(job_id), keys.job_dependents(job_id))
             pipe.zrem(keys.JOBS_INDEX, job_id)
             for status in JobStatus:
                 pipe.zrem(keys.jobs_with_status(status.value), job_id)

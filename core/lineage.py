@@ -1,5 +1,5 @@
 """Jobs that read another job's checkpoint when they run: a training job started `init_from` it,
-its evaluations and its batch predictions. While such a job is queued or running, the checkpoint it reads must stay
+its evaluations, its batch predictions and its exports. While such a job is queued or running, the checkpoint it reads must stay
 (retention and DELETE /jobs/{id} ask `active_dependent` before removing a job's files).
 """
 

@@ -11,8 +11,10 @@ stay; the first that says why answers 409 with that reason. The protections toda
 Other modules add theirs with `JobDeletion.protect` (a function of the job that returns a reason
 or None): #16 adds "an alias points at this job", for instance. The record, its events and its
 index entries go in one Redis transaction (JobStore.delete); then its files (the job's directory
-under checkpoints/: model.pt, resume.pt, exports, a predict job's results.jsonl). A crash between
-the two leaves an orphan directory, which the cleanup removes.
+under checkpoints/: model.pt, resume.pt, an export's file, a predict job's results.jsonl). A crash
+between the two leaves an orphan directory, which the cleanup removes. Then the jobs that exist
+only for it (`JobDeletion.cascade`: a training job's export jobs, core/exports.py) are deleted the
+same way; evaluations and batch predictions stay (their results are the user's).
 
 The cleanup (`Retention.run_once`), every `cleanup_interval_s` in one API process at a time (a
 Redis key with that TTL decides which): finished jobs past their keep_*_days, the event history of
@@ -57,6 +59,8 @@ PARENT_FIELD = "init_from"
 
 # Why a job must stay (a sentence for the 409), or None.
 JobProtection = Callable[[Job], str | None]
+# The ids of jobs that exist only for this one and are deleted with it.
+DerivedJobs = Callable[[Job], list[str]]
 
 
 class JobDeletion:
@@ -66,10 +70,15 @@ class JobDeletion:
         self.store = store
         self.paths = paths
         self.protections: list[JobProtection] = [_not_active, self._parent_of_active_job]
+        self.cascades: list[DerivedJobs] = []
 
     def protect(self, protection: JobProtection) -> None:
         """Add a rule that can keep a job from deletion (checked after the built-in ones)."""
         self.protections.append(protection)
+
+    def cascade(self, derived: DerivedJobs) -> None:
+        """Add a rule naming jobs that only exist for this one (its exports) and go with it."""
+        self.cascades.append(derived)
 
     def refusal(self, job: Job) -> str | None:
         for protection in self.protections:
@@ -82,8 +91,14 @@ class JobDeletion:
         job = self.store.get(job_id)
         if (reason := self.refusal(job)) is not None:
             raise Conflict(reason)
+        derived = [derived_id for rule in self.cascades for derived_id in rule(job)]
         deleted = self.store.delete(job_id)  # refuses, atomically, a job that became active meanwhile
         shutil.rmtree(self.paths.job_dir(job_id), ignore_errors=True)
+        for derived_id in derived:  # after the job itself: a crash in between leaves only what retention expires
+            try:
+                self.delete(derived_id)
+            except (NotFound, Conflict) as exc:  # gone already, or kept by a protection of its own
+                log.info("job %s: derived job %s stays (%s)", job_id, derived_id, exc)
         return deleted
 
     def _parent_of_active_job(self, job: Job) -> str | None:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ class PretrainedWeights:
 
 
 def torchvision_default(enum_name: str) -> PretrainedWeights:
-    """The DEFAULT member of a torchvision weights enum, read from torchvision itself."""
+    """The DEFAULT member of a torchvision weights enum, read from torchvision itself (what the
+    registry's entries are checked against)."""
     from torchvision import models as tvm
 
     weights = getattr(tvm, enum_name).DEFAULT
@@ -71,6 +73,8 @@ def load_pretrained_state(weights: PretrainedWeights, hub_dir: Path, *, allow_do
 
     torch.hub's loader checks the hash of a file it downloads (`check_hash=True`) and reads with
     `weights_only=True`; a file already in the cache is read as it is (the operator put it there)."""
+    import torch  # here, not at import: the API reads this module's metadata without torch
+
     path = weights.path(hub_dir)
     if not path.exists() and not allow_download:
         raise WeightsMissing(missing_message(weights, hub_dir))

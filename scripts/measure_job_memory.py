@@ -147,12 +147,12 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for model, channels, size, n, batch in TRAIN_CONFIGS[:2] if quick else TRAIN_CONFIGS:
         values = channels * size * size
-        acts = a.activation_bytes_per_image(model, channels, size, size)
+        acts = a.activation_bytes_per_image(model, size, size)
         with tempfile.TemporaryDirectory() as workdir:
             step = run("step", [model, channels, size, batch, workdir])
             evaluation = run("eval", [model, channels, size, n, batch, workdir])
             job = run("job", [model, channels, size, n, batch, workdir])
-        params = MODELS[model].parameters() * (8 + a.OPTIMIZER_STATE_BYTES["adam"])
+        params = MODELS[model].parameters * (8 + a.OPTIMIZER_STATE_BYTES["adam"])
         row("step", f"{model} {channels}×{size}×{size}, batch {batch}", step,
             a.JOB_OVERHEAD_BYTES + params + batch * (a.ACTIVATION_FACTOR * acts + a.INPUT_COPIES * 4 * values))
         row("eval", f"{model} {channels}×{size}×{size}, {n} images", evaluation,

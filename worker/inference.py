@@ -171,6 +171,8 @@ class InferenceServer:
         return threading.Thread(target=self._device_loop, name="torchyard-inference", daemon=True)
 
     def start(self) -> None:
+        if self.device.kind == "cpu":  # what the device thread sets first: so the first heartbeat says it too
+            self.stats.forward_threads = self.forward_threads.wanted(self.job_running())
         self._intake_thread.start()
         self._device_thread.start()
 

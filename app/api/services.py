@@ -59,9 +59,11 @@ class Services:
         deletion = JobDeletion(jobs, CheckpointPaths(settings.checkpoints_dir))
         deletion.protect(lambda job: _aliased_refusal(client, job))
         deletion.protect(lambda job: _dependent_refusal(jobs, job))
+        exports = ExportCatalog(client, jobs, CheckpointPaths(settings.checkpoints_dir))
+        deletion.cascade(exports.derived_from)
         return cls(settings, client, aclient, jobs, devices, datasets,
                    JobSubmission(jobs, datasets, devices, settings), predictions, aliases=aliases,
-                   exports=ExportCatalog(client, jobs, CheckpointPaths(settings.checkpoints_dir)),
+                   exports=exports,
                    deletion=deletion, retention=Retention(settings, client, jobs, datasets, deletion),
                    evaluations=Evaluations(jobs, datasets, devices, CheckpointPaths(settings.checkpoints_dir)),
                    batch_predictions=BatchPredictions(jobs, datasets, devices,

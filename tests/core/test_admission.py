@@ -12,6 +12,7 @@ from core.config import Settings
 from core.datasets import BUILTINS, DatasetRecord
 from core.errors import InvalidInput
 from core.schemas import Device
+from models.registry import trace_activation_bytes
 
 GiB = 1024**3
 
@@ -28,9 +29,16 @@ def _shape(model: str = "resnet18", size: int = 32, batch: int | None = 128, dat
 
 
 def test_activations_grow_with_the_input_area_as_traced() -> None:
-    small, large = activation_bytes_per_image("resnet18", 3, 64, 64), activation_bytes_per_image("resnet18", 3, 128, 128)
+    small, large = activation_bytes_per_image("resnet18", 64, 64), activation_bytes_per_image("resnet18", 128, 128)
     assert 3.8 < large / small < 4.2  # four times the pixels, about four times the activations
-    assert activation_bytes_per_image("cifar_net", 3, 32, 32) > 0
+    assert activation_bytes_per_image("cifar_net", 32, 32) > 0
+
+
+@pytest.mark.parametrize("model", ["resnet18", "mobilenet_v3_small"])
+@pytest.mark.parametrize("size", [48, 224])
+def test_interpolated_activations_are_near_a_trace_at_that_size(model: str, size: int) -> None:
+    traced = trace_activation_bytes(model, size, size)
+    assert abs(activation_bytes_per_image(model, size, size) / traced - 1) < 0.1
 
 
 def test_the_estimate_grows_with_image_size_batch_and_data() -> None:

@@ -203,3 +203,22 @@ def test_export_refusals(stack: dict, exported: dict) -> None:
         client.post(f"/jobs/{running['id']}/cancel")
     wait_until(lambda: client.get(f"/jobs/{running['id']}").json()["status"] != "running", timeout=60,
                what="the long job to stop")
+
+
+def test_deleting_a_training_job_deletes_its_exports(stack: dict, exported: dict) -> None:
+    """Last in this module: it deletes the catdog_net job the others read. An export is its model in
+    another format and nothing else's, so it goes with it (files and records); the job's predict
+    results and evaluations are the user's and stay (tests/e2e/test_retention.py)."""
+    client = stack["client"]
+    job = exported["jobs"]["catdog_net"]
+    export_ids = {fmt: exported["first"]["catdog_net", fmt][1]["X-Export-Job"] for fmt in FORMATS}
+    checkpoints = stack["data_dir"] / "checkpoints"
+    assert all((checkpoints / export_id).is_dir() for export_id in export_ids.values())
+    other = exported["first"]["cifar_net", "onnx"][1]["X-Export-Job"]
+
+    assert client.delete(f"/jobs/{job['id']}").status_code == 204
+    for fmt, export_id in export_ids.items():
+        assert client.get(f"/jobs/{export_id}").status_code == 404, fmt
+        assert not (checkpoints / export_id).exists(), fmt
+    assert client.get(f"/jobs/{job['id']}/export", params={"format": "onnx"}).status_code == 404
+    assert client.get(f"/jobs/{other}").json()["status"] == "succeeded"  # another job's export stays

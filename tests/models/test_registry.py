@@ -1,7 +1,12 @@
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from models.registry import MODELS, UnknownModel, build_model, get_model_spec
+from models.pretrained import torchvision_default
+from models.registry import MODELS, UnknownModel, build_model, get_model_spec, trace_activation_bytes
+from tests.support import REPO
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -36,6 +41,21 @@ def test_unknown_model() -> None:
         get_model_spec("vgg99")
 
 
-def test_parameter_counts_are_real() -> None:
-    assert get_model_spec("cifar_net").parameters() == 62006  # the tutorial's count
-    assert get_model_spec("resnet18").parameters() > 11_000_000
+@pytest.mark.parametrize("name", list(MODELS))
+def test_what_the_api_knows_without_torch_is_what_torch_builds(name: str) -> None:
+    """The figures the registry writes out (so the API imports no torch) are the built network's,
+    the meta-device traces' and torchvision's own weights metadata."""
+    spec = get_model_spec(name)
+    assert spec.parameters == sum(p.numel() for p in build_model(name, 10).parameters())
+    sizes = [spec.input.height] if spec.input.fixed_size else [spec.input.height, 2 * spec.input.height]
+    assert spec.activation_bytes == tuple(trace_activation_bytes(name, size, size) for size in sizes)
+    if spec.pretrained is not None:
+        assert spec.pretrained == torchvision_default(spec.pretrained.enum)
+    assert get_model_spec("cifar_net").parameters == 62006  # the tutorial's count
+
+
+def test_the_api_imports_neither_torch_nor_torchvision() -> None:
+    """An API process stays light: it starts in about a second and holds no torch (models/registry.py)."""
+    script = "import sys, app.main, app.cli; print(sorted(m for m in ('torch', 'torchvision', 'numpy') if m in sys.modules))"
+    loaded = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, check=True)
+    assert loaded.stdout.strip() == "[]", loaded.stderr

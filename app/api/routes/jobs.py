@@ -51,7 +51,8 @@ def get_job(services: ServicesDep, job_id: str) -> Job:
 @router.delete("/jobs/{job_id}", status_code=204,
                responses={409: {"description": "queued or running (cancel it first), or kept by a protection"}})
 def delete_job(services: ServicesDep, job_id: str) -> Response:
-    """A finished job: its record, events, checkpoint and other files (core/retention.JobDeletion)."""
+    """A finished job: its record, events, checkpoint and other files, and a training job's exports
+    (core/retention.JobDeletion)."""
     services.deletion.delete(job_id)
     return Response(status_code=204)
 

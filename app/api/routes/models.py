@@ -11,7 +11,7 @@ router = APIRouter(tags=["models"])
 @router.get("/models", response_model=ModelList)
 def list_models() -> ModelList:
     return ModelList(models=[
-        ModelInfo(name=spec.name, description=spec.description, parameters=spec.parameters(),
+        ModelInfo(name=spec.name, description=spec.description, parameters=spec.parameters,
                   input=ModelInput(channels=spec.input.channels, height=spec.input.height, width=spec.input.width))
         for spec in MODELS.values()
     ])
