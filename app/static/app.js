@@ -200,6 +200,9 @@ function renderJob(job) {
   $("job-meta").textContent = jobMeta(job);
   $("cancel-job").hidden = TERMINAL.has(job.status);
   $("download-ckpt").hidden = !job.checkpoint;
+  $("export-controls").hidden = !(job.kind === "train" && job.status === "succeeded");
+  if (job.id !== $("export-status").dataset.job) { $("export-status").textContent = ""; $("export-status").dataset.job = job.id; }
+  $("delete-job").hidden = !TERMINAL.has(job.status);
   showPromote(job);
   setProgress(job.progress, job.status);
   for (const m of job.metrics) addMetrics(m);
@@ -425,16 +428,73 @@ async function cancelSelected() {
   catch (err) { $("job-meta").textContent = err.message; }
 }
 
+function saveResponse(response, fallbackName) {
+  return response.blob().then((blob) => {
+    const url = URL.createObjectURL(blob);
+    const name = (response.headers.get("Content-Disposition") || "").match(/filename="?([^";]+)"?/);
+    el("a", { href: url, download: name ? name[1] : fallbackName }).click();
+    setTimeout(() => URL.revokeObjectURL(url), 10000);
+  });
+}
+
 async function downloadCheckpoint() {
   if (!state.selected) return;
   try {
     const response = await api(`/jobs/${encodeURIComponent(state.selected)}/checkpoint`);
-    const blob = await response.blob();
-    const url = URL.createObjectURL(blob);
-    const name = (response.headers.get("Content-Disposition") || "").match(/filename="?([^";]+)"?/);
-    el("a", { href: url, download: name ? name[1] : `${state.selected}.pt` }).click();
-    setTimeout(() => URL.revokeObjectURL(url), 10000);
+    await saveResponse(response, `${state.selected}.pt`);
   } catch (err) { $("job-meta").textContent = err.message; }
+}
+
+// An export is built by an export job on a worker: GET answers 202 (with Retry-After) until the
+// file is ready, then the file. The button waits as the API asks, while this job stays selected.
+async function exportSelected() {
+  const jobId = state.selected;
+  const format = $("export-format").value;
+  const button = $("export-job");
+  if (!jobId || button.disabled) return;
+  button.disabled = true;
+  const label = $("export-format").selectedOptions[0].textContent;
+  try {
+    for (;;) {
+      const response = await api(`/jobs/${encodeURIComponent(jobId)}/export?format=${encodeURIComponent(format)}`);
+      if (state.selected !== jobId) return;
+      if (response.status === 200) {
+        $("export-status").textContent = `${label} export downloaded`;
+        await saveResponse(response, `${jobId}.${format === "onnx" ? "onnx" : "torchscript.pt"}`);
+        return;
+      }
+      const exportJob = await response.json();
+      $("export-status").textContent = `building the ${label} export (job ${exportJob.id}, ${exportJob.status})…`;
+      const wait = Math.min(5, Math.max(0.5, Number(response.headers.get("Retry-After")) || 1));
+      await new Promise((resolve) => setTimeout(resolve, wait * 1000));
+      if (state.selected !== jobId) return;
+    }
+  } catch (err) {
+    if (state.selected === jobId) { $("export-status").textContent = ""; noteJob(err.message); }
+  } finally {
+    button.disabled = false;
+  }
+}
+
+// DELETE /jobs/{id}: the job's record, events and files (and a training job's exports). The API
+// refuses (409) what must stay, e.g. a job an alias points at; its reason is shown as it is.
+async function deleteSelected() {
+  const jobId = state.selected;
+  if (!jobId || !confirm(`Delete job ${jobId} with its events and files? This cannot be undone.`)) return;
+  try {
+    await api(`/jobs/${encodeURIComponent(jobId)}`, { method: "DELETE" });
+  } catch (err) {
+    noteJob(err.message);
+    return;
+  }
+  if (state.stream) state.stream.abort();
+  state.selected = null;
+  $("job-title").textContent = "— pick one from the list";
+  $("job-status").textContent = "";
+  $("job-status").className = "pill";
+  for (const id of ["cancel-job", "download-ckpt", "export-controls", "delete-job", "promote-form"]) $(id).hidden = true;
+  $("job-meta").textContent = `job ${jobId} deleted`;
+  refreshJobs();
 }
 
 // ------------------------------------------------------------------ predict
@@ -693,6 +753,8 @@ function wire() {
   $("job-form").addEventListener("submit", startJob);
   $("cancel-job").addEventListener("click", cancelSelected);
   $("download-ckpt").addEventListener("click", downloadCheckpoint);
+  $("export-job").addEventListener("click", exportSelected);
+  $("delete-job").addEventListener("click", deleteSelected);
   $("promote-form").addEventListener("submit", promoteSelected);
   $("evaluate-form").addEventListener("submit", startEvaluation);
   $("footer-url").textContent = location.origin;

@@ -121,6 +121,29 @@ def test_dashboard_trains_streams_and_predicts(keyed_api: str, tmp_path: Path) -
             screenshot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(screenshot), full_page=True)
 
+            # Export: the button waits out the export job's 202s, then the file downloads.
+            page.select_option("#export-format", "torchscript")
+            with page.expect_download(timeout=120_000) as download:
+                page.click("#export-job")
+            exported = tmp_path / download.value.suggested_filename
+            download.value.save_as(exported)
+            assert exported.name.endswith(".torchscript.pt") and exported.stat().st_size > 10_000
+            export_job = httpx.get(f"{keyed_api}/jobs/{job_id}/export", params={"format": "torchscript"},
+                                   headers={"Authorization": f"Bearer {API_KEY}"}).headers["X-Export-Job"]
+
+            # Delete: refused while the alias points at the job (the API's reason is shown), done once
+            # it is gone; the job leaves the list and takes its export with it.
+            page.on("dialog", lambda dialog: dialog.accept())
+            page.click("#delete-job")
+            page.wait_for_function("document.querySelector('#job-meta').textContent.includes('alias')")
+            auth = {"Authorization": f"Bearer {API_KEY}"}
+            assert httpx.delete(f"{keyed_api}/aliases/dash-pets", headers=auth).status_code == 204
+            page.click("#delete-job")
+            page.wait_for_function("document.querySelector('#job-meta').textContent.includes('deleted')")
+            page.wait_for_selector(f"#jobs-table tr[data-id='{job_id}']", state="detached")
+            assert httpx.get(f"{keyed_api}/jobs/{job_id}", headers=auth).status_code == 404
+            assert httpx.get(f"{keyed_api}/jobs/{export_job}", headers=auth).status_code == 404
+
             # The key survives a reload (localStorage).
             page.reload()
             assert page.input_value("#api-key") == API_KEY

@@ -15,6 +15,7 @@ from PIL import Image
 from worker.checkpoint import ModelMeta, Preprocessing
 from worker.inference import decode_image
 from worker.predict_job import (
+    ForwardThreadChoice,
     ResumePoint,
     copy_prefix,
     decoded_batches,
@@ -100,6 +101,20 @@ def test_decoded_batches_keep_the_order_and_report_what_does_not_decode(tmp_path
     # Each image is exactly /predict's decode of that file.
     expected = [decode_image((tmp_path / f).read_bytes(), META, 10**6) for f in files[2:6] if f != "img05.png"]
     assert torch.equal(broken.images, torch.from_numpy(np.stack(expected)))
+
+
+def test_the_forward_takes_every_core_only_when_decoding_is_light() -> None:
+    # resnet18 on 2 cores: the forward ~3.2 ms an image, decoding ~50 µs: all cores, once, decided on
+    # the second batch (the first warms up)
+    heavy = ForwardThreadChoice(cores=2, split_threads=1)
+    assert heavy.observe(decode_cpu_s=64 * 50e-6, forward_s=64 * 3.2e-3) is None
+    assert heavy.observe(decode_cpu_s=64 * 50e-6, forward_s=64 * 3.2e-3) == 2
+    assert heavy.observe(decode_cpu_s=64 * 50e-6, forward_s=64 * 3.2e-3) is None and heavy.threads == 2
+    # cifar_net: decoding is a third of the forward's time: the decoder keeps its core
+    light = ForwardThreadChoice(cores=2, split_threads=1)
+    assert [light.observe(64 * 50e-6, 64 * 175e-6) for _ in range(4)] == [None] * 4 and light.threads == 1
+    # nothing to take: one core, or the split already has them all
+    assert [ForwardThreadChoice(1, 1).observe(0.0, 1.0) for _ in range(2)] == [None, None]
 
 
 def test_thread_split_leaves_the_forward_a_core() -> None:
