@@ -19,7 +19,7 @@ def default_api_workers() -> int:
     decode threads and device feeder, Redis (every /predict crosses it twice), and the training
     jobs' data loading, hence half. 1 on a 2-core machine, where `up` runs Redis and a worker too.
     4 at most: past ~8,000 requests/s the single Redis and the workers' decoding are the limit, so
-    more processes only add memory (~400 MiB each: the model registry loads torch) and idle
+    more processes only add memory (~80 MB each; an API process imports no torch) and idle
     connections; raise it after measuring (docs/operations.md)."""
     try:
         cores = len(os.sched_getaffinity(0))  # the CPUs this process may use (a container's cpuset)
