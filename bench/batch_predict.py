@@ -1,6 +1,7 @@
 """Batch predictions against their floor: a `predict` job over 10,000 32×32 PNGs through a real
 stack (embedded Redis, API, one CPU worker), end to end, against the raw batched forward of the
-same checkpoint (batch 32, in a fresh subprocess, the best of 1 and 2 torch threads).
+same checkpoint (batch 32; bench/predict.py's floor: the best of threads × OpenMP waiting, each
+in a fresh subprocess).
 
     .venv/bin/python bench/batch_predict.py [--images 10000] [--models cifar_net resnet18]
 
@@ -44,25 +45,6 @@ third of cifar_net's forward per image on one thread, so on 2 cores cifar_net's 
 floor that has both cores for the forward alone; resnet18's forward dominates its images' decoding."""
 
 
-def make_checkpoint(data_dir: Path, model_name: str) -> tuple[str, Path]:
-    """A trained-looking checkpoint at 32×32 (random weights: speed does not depend on them)."""
-    import torch
-
-    from core.storage import CheckpointPaths
-    from models.registry import build_model
-    from worker.checkpoint import ModelMeta, Preprocessing, save_model
-
-    job_id = f"bench-{model_name.replace('_', '-')}"
-    torch.manual_seed(0)
-    model = build_model(model_name, 10).eval()
-    meta = ModelMeta(model_name, 10, [f"class{i}" for i in range(10)],
-                     Preprocessing(3, SIZE, SIZE, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)), job_id)
-    path = CheckpointPaths(data_dir / "checkpoints").final(job_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_model(path, model, meta)
-    return job_id, path
-
-
 def images_zip(n: int) -> bytes:
     import numpy as np
     from PIL import Image
@@ -77,45 +59,14 @@ def images_zip(n: int) -> bytes:
     return buffer.getvalue()
 
 
-def raw_floor_child(checkpoint: str, threads: int, seconds: float) -> None:
-    """In a fresh process: images/s of softmax(model(normalize(x))) on a uint8 batch of RAW_BATCH."""
-    import torch
-
-    from worker.checkpoint import load_model
-    from worker.preprocess import normalize, stats_tensors
-
-    torch.set_num_threads(threads)
-    model, meta = load_model(Path(checkpoint), "cpu")
-    mean, std = stats_tensors(meta.preprocessing, "cpu")
-    x = torch.randint(0, 256, (RAW_BATCH, 3, SIZE, SIZE), dtype=torch.uint8)
-    times: list[float] = []
-    with torch.inference_mode():
-        for _ in range(20):
-            torch.softmax(model(normalize(x, mean, std)), dim=1)
-        stop = time.perf_counter() + seconds
-        while time.perf_counter() < stop:
-            t0 = time.perf_counter()
-            torch.softmax(model(normalize(x, mean, std)), dim=1)
-            times.append(time.perf_counter() - t0)
-    print(json.dumps({"threads": threads, "images_s": RAW_BATCH / statistics.mean(times)}))
-
-
-FLOOR_SETTINGS = [(threads, policy) for threads in (1, 2) for policy in ("default", "PASSIVE")]
-
-
 def raw_floor(checkpoint: Path, seconds: float) -> dict[str, Any]:
-    """The best of 1 and 2 torch threads under OpenMP's default waiting and OMP_WAIT_POLICY=PASSIVE,
-    each in a fresh subprocess: the best this machine does with the forward alone."""
-    runs: dict[str, float] = {}
-    for threads, policy in FLOOR_SETTINGS:
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
-        if policy != "default":
-            env["OMP_WAIT_POLICY"] = policy
-        out = subprocess.run([sys.executable, __file__, "--raw-floor", str(checkpoint), str(threads), str(seconds)],
-                             cwd=REPO, env=env, capture_output=True, text=True, check=True)
-        runs[f"{threads}, {policy}"] = json.loads(out.stdout.strip().splitlines()[-1])["images_s"]
-    best = max(runs, key=lambda setting: runs[setting])
-    return {"images_s": runs[best], "setting": best, "runs": runs}
+    """bench/predict.py's floor at batch RAW_BATCH (normalize + forward + softmax, each setting of
+    threads × OpenMP waiting in a fresh process): {"images_s", "setting", "runs": {setting: img/s}}."""
+    from bench.predict import floor
+
+    best = floor(checkpoint, RAW_BATCH, seconds)
+    runs = {f"{r['threads']}, {r['omp']}": r["images_s"] for r in best["tried"]}
+    return {"images_s": best["images_s"], "setting": f"{best['threads']}, {best['omp']}", "runs": runs}
 
 
 @contextlib.contextmanager
@@ -169,6 +120,8 @@ def run(args: argparse.Namespace) -> str:
     load_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="torchyard-bench-batch-"))
     data_dir = work / "data"
+    from bench.predict import make_checkpoint  # random weights at the model's input size: speed needs no training
+
     checkpoints = {m: make_checkpoint(data_dir, m) for m in args.models}
     archive = images_zip(args.images)
 
@@ -236,9 +189,6 @@ def run(args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--raw-floor":
-        raw_floor_child(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
-        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--images", type=int, default=10_000)
     parser.add_argument("--models", nargs="+", default=["cifar_net", "resnet18"])

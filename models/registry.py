@@ -91,8 +91,8 @@ MODELS: dict[str, ModelSpec] = {
             "The PyTorch CIFAR-10 tutorial net: conv 3→6→16 (5×5), max-pool, fc 120→84→classes.",
             InputSpec(3, 32, 32, fixed_size=True),
             _cifar_net,
-            parameters=62_006,
-            activation_bytes=(83_264.0,),  # the tutorial's count
+            parameters=62_006,  # the tutorial's count
+            activation_bytes=(83_264.0,),
             head="fc3",
         ),
         ModelSpec(
@@ -150,7 +150,6 @@ def build_model(name: str, num_classes: int, in_channels: int | None = None) -> 
 def head_module(model: nn.Module, architecture: str) -> nn.Module:
     """The classifier head of a built `architecture` (ModelSpec.head)."""
     return model.get_submodule(get_model_spec(architecture).head)
-
 
 
 def trace_activation_bytes(name: str, height: int, width: int) -> float:
