@@ -37,7 +37,8 @@ EXPLAINED = """The floor (a fresh process per setting, best setting shown first)
 stack's processes stopped (SIGSTOP), so nothing of ours runs beside it. A job on a CPU worker
 decodes in one DataLoader process and runs the forward on the rest of the cores (2 cores: one torch
 thread), or on every core once its second batch shows decoding to be light beside the forward
-(worker/predict_job.ForwardThreadChoice: resnet18 here, 0.63× → 0.96× of its floor); measured with the handler's own loop on this host (bench-free, 10,000 files), one thread
+(worker/predict_job.ForwardThreadChoice: resnet18 here, 0.63× of its floor before, 0.85× and 0.96× in
+two runs after); measured with the handler's own loop on this host (bench-free, 10,000 files), one thread
 with a decode process did 4,300 to 5,000 img/s for cifar_net against 3,000 to 3,100 with two torch
 threads beside the decoder (the forward's spinning threads and the decoder take turns on 2 cores),
 and batch 64 to 256 changed it by under 10%. For a 32×32 PNG, decoding costs ~50 µs of CPU, a
