@@ -8,11 +8,13 @@ import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.deps import bearer_scheme
 from app.api.errors import install_error_handlers
@@ -35,7 +37,27 @@ async def _cleanup_forever(retention: Retention, interval_s: float) -> None:
         await asyncio.sleep(min(interval_s, 60.0))
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+class TorchyardApp(FastAPI):
+    """FastAPI behind torchyard's edge: the request metrics and the front gate (app/api/front.py)
+    run before any layer of FastAPI's, so a request is judged on its headers before a framework
+    touches it, and /predict, the hot path, is served by the gate without FastAPI's own middleware
+    (its server-error, telemetry and body-limit layers each wrap `send` and `receive`), routing or
+    dependencies. Every other request goes on into FastAPI as usual."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.edge: ASGIApp = self.framework  # create_app puts the metrics and the gate in front
+
+    async def framework(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """FastAPI itself: its middleware, exception handlers, routing."""
+        await super().__call__(scope, receive, send)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        scope["app"] = self  # as Starlette sets it: what routes and the gate read app.state from
+        await self.edge(scope, receive, send)
+
+
+def create_app(settings: Settings | None = None) -> TorchyardApp:
     settings = settings or get_settings()
 
     @asynccontextmanager
@@ -54,12 +76,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await app.state.services.close()
 
     # FastAPI's own /docs and /openapi.json would be open to anyone; ours sit behind the API key.
-    app = FastAPI(title="torchyard", version="1.0.0", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None, description="Train and serve PyTorch image classifiers on your GPUs.")
+    app = TorchyardApp(title="torchyard", version="1.0.0", lifespan=lifespan, docs_url=None, redoc_url=None,
+                       openapi_url=None, description="Train and serve PyTorch image classifiers on your GPUs.")
     install_error_handlers(app)
-    # Host, Origin, API key, body size, content type and body rate, on the headers, before routing.
-    app.add_middleware(FrontGate, settings=settings, direct=predict.DIRECT)
-    metrics.install_metrics(app)  # outermost: counts every request, the refused ones too
+    # Host, Origin, API key, body size, content type and body rate, on the headers, before routing;
+    # the metrics outermost: they count every request, the refused ones too.
+    app.edge = metrics.install_metrics(app, FrontGate(app.framework, settings, direct=predict.DIRECT))
     app.include_router(health.router)
     dashboard.install_dashboard(app)  # `/` and /static: no data in them, so no key needed
     documented = [Depends(bearer_scheme)]  # the key itself is checked by the front gate

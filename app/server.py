@@ -242,7 +242,8 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     raise_open_files_limit(settings.max_connections + 256)  # + Redis clients, files, the rest
     return {"host": settings.host, "port": settings.port, "log_level": "info", "access_log": settings.access_log,
             "timeout_graceful_shutdown": 5, "http": GuardedHttpProtocol, "timeout_keep_alive": 5,
-            "ws": "none"}  # no WebSocket routes: an Upgrade header is just a header
+            "ws": "none",  # no WebSocket routes: an Upgrade header is just a header
+            "server_header": False}  # `server: uvicorn` tells a scanner what to try; nobody else reads it
 
 
 # ------------------------------------------------------------------ several API processes

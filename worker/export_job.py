@@ -38,6 +38,7 @@ from core.schemas import CheckpointInfo, ExportFormat, Job, Progress
 from core.storage import atomic_path, sha256_file
 from worker.checkpoint import ModelMeta, load_model
 from worker.data import DatasetUnavailable, load_dataset
+from worker.forward_graph import ClassifierWithPreprocessing
 from worker.job_context import JobContext, JobFailed, JobOutcome, StopJob
 
 log = logging.getLogger(__name__)
@@ -48,22 +49,6 @@ PARITY_TOLERANCE = 1e-4
 PARITY_INPUTS = 32  # images of the dataset, plus a few uniform-noise ones
 INPUT_NAME, OUTPUT_NAME = "input", "logits"
 _STEPS = 4  # load, build, write, check
-
-
-class ClassifierWithPreprocessing(nn.Module):
-    """The network with its normalisation in front: float32 N×C×H×W in [0, 1] → logits."""
-
-    def __init__(self, network: nn.Module, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
-        super().__init__()
-        self.network = network
-        shape = (1, len(mean), 1, 1)
-        self.mean: torch.Tensor
-        self.std: torch.Tensor
-        self.register_buffer("mean", torch.tensor(mean, dtype=torch.float32).view(shape))
-        self.register_buffer("std", torch.tensor(std, dtype=torch.float32).view(shape))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.network((x - self.mean) / self.std)
 
 
 def run_export_job(job: Job, ctx: JobContext) -> JobOutcome:

@@ -10,7 +10,8 @@ Three stages, so that the thread that feeds the device does nothing else:
   (worker/batching.BatchWindow) and has its images decoded by the decode pool, in parallel;
 - the device thread (`torchyard-inference`) stacks the ready arrays into a staging buffer,
   copies them to the device (pinned, asynchronous, padded to a bucketed size on a GPU: see
-  worker/batching.py) and runs the forward;
+  worker/batching.py) and runs the forward, a traced graph that holds no GIL while it runs
+  (worker/forward_graph.py: an eager forward waited for the decoding threads at every operator);
 - the decode pool also turns the probabilities into replies and sends them, one RPUSH per API
   process (its inbox), while the device computes the next batch.
 
@@ -53,7 +54,7 @@ from worker.checkpoint import CheckpointError, ModelMeta
 from worker.cpu_threads import ForwardThreads, pin_to_one_thread
 from worker.device import WorkerDevice
 from worker.model_cache import ModelCache, ResidentModel
-from worker.preprocess import apply_preprocessing, normalize
+from worker.preprocess import apply_preprocessing
 
 log = logging.getLogger(__name__)
 
@@ -332,6 +333,11 @@ class InferenceServer:
 
     # ------------------------------------------------------------------ device thread
     def _device_loop(self) -> None:
+        # The serving graphs run as traced, in this thread: no re-specialisation per batch size.
+        with torch.jit.optimized_execution(False):
+            self._serve_device()
+
+    def _serve_device(self) -> None:
         if self.device.kind == "cuda":
             self._stream = torch.cuda.Stream(priority=HIGH_PRIORITY)
             # Tuned once per input shape: batch sizes are bucketed (worker/batching.bucket_size).
@@ -390,11 +396,9 @@ class InferenceServer:
         with torch.inference_mode():
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    x = normalize(self._staging.upload(arrays, rows), entry.mean, entry.std)
-                    out = torch.softmax(entry.model(x).float(), dim=1)[:len(arrays)].cpu()
+                    out = entry.forward.run(self._staging.upload(arrays, rows))[:len(arrays)].cpu()
             else:
-                x = normalize(self._staging.upload(arrays, rows), entry.mean, entry.std)
-                out = torch.softmax(entry.model(x).float(), dim=1)[:len(arrays)]
+                out = entry.forward.run(self._staging.upload(arrays, rows))[:len(arrays)]
         self.stats.record(len(arrays))
         return out
 

@@ -1,7 +1,7 @@
 """Checkpoints resident on a worker's device for /predict: an LRU bounded by count and bytes.
 
-Loading a checkpoint costs a file read and a host-to-device copy (tens of ms for a resnet18), so
-each worker keeps the models it served; a job whose model.pt was rewritten is noticed by the
+Loading a checkpoint costs a file read, a host-to-device copy and a trace of its serving graph
+(worker/forward_graph.py; tens of ms each for a resnet18), so each worker keeps the models it served; a job whose model.pt was rewritten is noticed by the
 file's (mtime, size) and loaded again. Counters go out with the heartbeat (GET /devices →
 `inference.cache`), so loads, reloads and evictions can be observed.
 """
@@ -19,7 +19,7 @@ import torch
 
 from core.storage import CheckpointPaths
 from worker.checkpoint import CheckpointError, ModelMeta, load_model
-from worker.preprocess import stats_tensors
+from worker.forward_graph import ForwardGraph, build_forward
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,7 @@ log = logging.getLogger(__name__)
 class ResidentModel:
     model: torch.nn.Module
     meta: ModelMeta
-    mean: torch.Tensor
-    std: torch.Tensor
+    forward: ForwardGraph  # uint8 batch on the device → probabilities; shares the model's parameters
     signature: tuple[int, int]  # (mtime_ns, size) of the file it came from
     nbytes: int
 
@@ -52,6 +51,7 @@ class ModelCache:
         self.loads = 0
         self.reloads = 0
         self.evictions = 0
+        self.eager = 0  # loads whose graph could not be traced (served eagerly; the worker's log says why)
 
     def get(self, job_id: str) -> ResidentModel:
         path = self.paths.final(job_id)
@@ -73,16 +73,16 @@ class ModelCache:
             self._models.move_to_end(job_id)
             self.loads += 1
             self.reloads += stale
+            self.eager += entry.forward.kind == "eager"
             self._evict()
-        log.info("%s model of job %s (%s, %.1f MB) onto %s", "reloaded changed" if stale else "loaded",
-                 job_id, entry.meta.architecture, entry.nbytes / 1e6, self.device)
+        log.info("%s model of job %s (%s, %.1f MB, %s graph) onto %s", "reloaded changed" if stale else "loaded",
+                 job_id, entry.meta.architecture, entry.nbytes / 1e6, entry.forward.kind, self.device)
         return entry
 
     def _load(self, path: Path, signature: tuple[int, int]) -> ResidentModel:
         model, meta = load_model(path, self.device)  # torch.load(weights_only=True, map_location=device)
-        mean, std = stats_tensors(meta.preprocessing, self.device)
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        return ResidentModel(model, meta, mean, std, signature, nbytes)
+        return ResidentModel(model, meta, build_forward(model, meta.preprocessing, self.device), signature, nbytes)
 
     def _evict(self) -> None:
         while len(self._models) > 1 and (
@@ -100,4 +100,4 @@ class ModelCache:
         with self._lock:
             return {"resident": len(self._models), "resident_bytes": sum(m.nbytes for m in self._models.values()),
                     "max_count": self.max_count, "max_bytes": self.max_bytes, "hits": self.hits,
-                    "loads": self.loads, "reloads": self.reloads, "evictions": self.evictions}
+                    "loads": self.loads, "reloads": self.reloads, "evictions": self.evictions, "eager": self.eager}

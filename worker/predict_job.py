@@ -3,8 +3,9 @@ JSON-lines file (core/batch_predict.py is the API's side).
 
 The model is loaded as /predict loads it (worker/checkpoint.load_model: `weights_only`,
 `map_location` onto this worker's device, the checkpoint's recorded preprocessing), and each image
-goes through the same decode (worker/inference.decode_image) and the same forward (normalise,
-model, softmax in float32), so a line's probabilities are /predict's for that image.
+goes through the same decode (worker/inference.decode_image) and the same forward graph (scale,
+normalise, model, softmax in float32: worker/forward_graph.py), so a line's probabilities are
+/predict's for that image.
 
 The files are taken in one stable order (their paths under the dataset's root, sorted), decoded
 by a thread pool a few batches ahead of the forward pass (never on the thread that runs it), and
@@ -42,9 +43,9 @@ from core.batch_predict import RESULTS_FILE
 from core.schemas import CheckpointInfo, Job, PredictSummary, Progress
 from core.storage import sha256_file
 from worker.checkpoint import ModelMeta, load_model
+from worker.forward_graph import ForwardGraph, build_forward
 from worker.inference import decode_image
 from worker.job_context import JobContext, JobFailed, JobOutcome, StopJob
-from worker.preprocess import normalize, stats_tensors
 
 log = logging.getLogger(__name__)
 
@@ -276,7 +277,7 @@ def run_predict_job(job: Job, ctx: JobContext) -> JobOutcome:
         raise JobFailed(f"dataset {job.dataset} has no files on this worker's storage ({root})")
     device = torch.device(ctx.device.torch_device)
     model, meta = load_model(ctx.paths.final(trained_id), device)
-    mean, std = stats_tensors(meta.preprocessing, device)
+    graph = build_forward(model, meta.preprocessing, device)
     classes = meta.classes
     labels = encode_labels(classes)
     top_k = min(top_k_asked, len(classes))
@@ -321,7 +322,7 @@ def run_predict_job(job: Job, ctx: JobContext) -> JobOutcome:
                 indices: list[list[int]] = []
                 if batch.images is not None:
                     began = time.perf_counter()
-                    probabilities = _forward(model, batch.images, mean, std, device)
+                    probabilities = _forward(graph, batch.images, device)
                     top = probabilities.topk(top_k, dim=1)
                     values, indices = top.values.tolist(), top.indices.tolist()
                     if threads is not None and (more := threads.observe(batch.decode_cpu_s,
@@ -392,11 +393,9 @@ def _resume(job: Job, ctx: JobContext, out: BinaryIO, total: int) -> ResumePoint
     return point
 
 
-def _forward(model: torch.nn.Module, batch: torch.Tensor, mean: torch.Tensor, std: torch.Tensor,
-             device: torch.device) -> torch.Tensor:
-    """Probabilities (float32, on the CPU) of one uint8 batch: /predict's forward (worker/inference.py)."""
-    with torch.inference_mode():
+def _forward(graph: ForwardGraph, batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Probabilities (float32, on the CPU) of one uint8 batch: /predict's graph (worker/forward_graph.py)."""
+    with torch.inference_mode(), torch.jit.optimized_execution(False):
         if device.type == "cuda":
             batch = batch.pin_memory().to(device, non_blocking=True)
-        x = normalize(batch, mean, std)
-        return torch.softmax(model(x).float(), dim=1).cpu()
+        return graph.run(batch).cpu()

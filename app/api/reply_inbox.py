@@ -3,14 +3,16 @@
 Before this, each request BLPOPped a reply list of its own: a second Redis call per prediction,
 each holding a pooled connection while it waited (32 concurrent requests, 32 connections). Now a
 request registers a future under a fresh id and the worker RPUSHes the answers of a whole batch
-to this process's inbox in one call; the listener pops them in bulk (BLPOP, then LPOP up to
-`DRAIN` more) and resolves the futures. Measured with bench/predict.py (cifar_net, 32 clients,
-this 2-core host): the API's CPU per prediction 0.32 → see docs/benchmarks.md.
+to this process's inbox in one call; the listener pops them in bulk (BLPOP and an LPOP of up to
+`DRAIN` more, in one pipeline: 1.81 → 1.73 million instructions per prediction at one client,
+bench/api_instructions.py) and resolves the futures.
 
-Answers nobody waits for any more (the caller timed out) are dropped. The inbox's TTL is renewed
-by every push, so the list of an API process that died expires by itself (core/wire.REPLY_TTL_S).
-When the listener cannot reach Redis, every waiting request fails at once with that error (a 503
-for its client) rather than waiting out its timeout.
+A request's wait is bounded by a timer of the loop's that fails its future with TimeoutError
+(cancelled once the answer is in), rather than `asyncio.wait_for`, which builds a second future
+and a task wrapper around each wait. Answers nobody waits for any more (the caller timed out)
+are dropped. The inbox's TTL is renewed by every push, so the list of an API process that died
+expires by itself (core/wire.REPLY_TTL_S). When the listener cannot reach Redis, every waiting
+request fails at once with that error (a 503 for its client) rather than waiting out its timeout.
 """
 
 from __future__ import annotations
@@ -36,22 +38,26 @@ class ReplyInbox:
     def __init__(self, client: aioredis.Redis) -> None:
         self.redis = client
         self.key = keys.predict_reply(f"inbox-{secrets.token_hex(12)}")
-        self._waiting: dict[str, asyncio.Future[PredictReply]] = {}
+        self._waiting: dict[str, tuple[asyncio.Future[PredictReply], asyncio.TimerHandle]] = {}
         self._listener: asyncio.Task[None] | None = None
         self._closing = False
 
-    def expect(self) -> tuple[str, asyncio.Future[PredictReply]]:
-        """A fresh request id and the future its answer will resolve."""
+    def expect(self, timeout_s: float) -> tuple[str, asyncio.Future[PredictReply]]:
+        """A fresh request id and the future its answer will resolve; TimeoutError once `timeout_s`
+        have passed without one."""
+        loop = asyncio.get_running_loop()
         if self._listener is None or self._listener.done():
-            self._listener = asyncio.get_running_loop().create_task(self._listen(), name="torchyard-reply-inbox")
+            self._listener = loop.create_task(self._listen(), name="torchyard-reply-inbox")
         request_id = secrets.token_hex(8)
-        future: asyncio.Future[PredictReply] = asyncio.get_running_loop().create_future()
-        self._waiting[request_id] = future
+        future: asyncio.Future[PredictReply] = loop.create_future()
+        self._waiting[request_id] = (future, loop.call_later(timeout_s, _time_out, future))
         return request_id, future
 
     def forget(self, request_id: str) -> None:
         """The caller stopped waiting (answered, timed out or cancelled)."""
-        self._waiting.pop(request_id, None)
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is not None:
+            waiting[1].cancel()
 
     async def close(self) -> None:
         listener, self._listener = self._listener, None
@@ -64,10 +70,13 @@ class ReplyInbox:
     async def _listen(self) -> None:
         while not self._closing:
             try:
-                first = await self.redis.blpop([self.key], timeout=BLOCK_S)
-                if first is None:
-                    continue
-                raw = [first[1], *(await self.redis.lpop(self.key, DRAIN) or [])]
+                # BLPOP and an LPOP of what queued beside it, pipelined: Redis runs the LPOP as soon as
+                # the BLPOP returns, so a lone answer costs one round trip and a batch's are taken whole.
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.blpop([self.key], timeout=BLOCK_S)
+                pipe.lpop(self.key, DRAIN)
+                first, rest = await pipe.execute()
+                raw = ([first[1]] if first is not None else []) + (rest or [])
             except redis.RedisError as exc:
                 if self._closing:
                     return
@@ -80,12 +89,21 @@ class ReplyInbox:
                 except MalformedMessage as exc:
                     log.warning("dropped a malformed reply (%s)", exc)
                     continue
-                future = self._waiting.pop(request_id, None)
-                if future is not None and not future.done():
-                    future.set_result(reply)
+                waiting = self._waiting.pop(request_id, None)
+                if waiting is not None:
+                    future, timer = waiting
+                    timer.cancel()
+                    if not future.done():
+                        future.set_result(reply)
 
     def _fail_all(self, exc: Exception) -> None:
         waiting, self._waiting = self._waiting, {}
-        for future in waiting.values():
+        for future, timer in waiting.values():
+            timer.cancel()
             if not future.done():
                 future.set_exception(exc)
+
+
+def _time_out(future: asyncio.Future[PredictReply]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())

@@ -47,10 +47,11 @@ class RequestMetricsMiddleware:
             self.metrics.observe_request(scope["method"], route, status, time.perf_counter() - started)
 
 
-def install_metrics(app: FastAPI) -> Metrics:
-    """The app's registry (app.state.metrics), the request middleware and the cluster collector.
-    The /metrics router itself is included with the other protected routers. Several API
-    processes (PROMETHEUS_MULTIPROC_DIR set by their parent): each scrape sums them all."""
+def install_metrics(app: FastAPI, inner: ASGIApp) -> RequestMetricsMiddleware:
+    """The app's registry (app.state.metrics) and cluster collector, and the request middleware
+    around `inner`, returned for the caller to serve. The /metrics router itself is included with
+    the other protected routers. Several API processes (PROMETHEUS_MULTIPROC_DIR set by their
+    parent): each scrape sums them all."""
     metrics = Metrics(multiprocess_dir())
     app.state.metrics = metrics
 
@@ -59,5 +60,4 @@ def install_metrics(app: FastAPI) -> Metrics:
         return ClusterSource(services.redis, services.devices) if services else None
 
     metrics.watch_cluster(source)
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
-    return metrics
+    return RequestMetricsMiddleware(inner, metrics)

@@ -67,13 +67,18 @@ async def _answer(services: Services, request: Request) -> bytes:
 
 async def _serve(scope: Scope, receive: Receive, send: Send) -> None:
     """The route as a plain ASGI app, for the front gate: the same answer and the same errors as the
-    FastAPI route above, without FastAPI's routing and dependency layers."""
+    FastAPI route above, without FastAPI's routing and dependency layers; an answer is sent as the
+    two ASGI messages themselves."""
     request = Request(scope, receive)
     try:
-        response = Response(await _answer(request.app.state.services, request), media_type="application/json")
+        body = await _answer(request.app.state.services, request)
     except Exception as exc:
         response = known_error_response(exc) or unexpected_error_response(exc, "POST", "/predict", log_trace=True)
-    await response(scope, receive, send)
+        await response(scope, receive, send)
+        return
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 DIRECT = {("POST", "/predict"): DirectRoute("/predict", _serve)}

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import uuid
 
 import numpy as np
 import pytest
 import redis
 from PIL import Image
 
-from app.api.predictions import PredictionClient, UploadedImage, check_image
+from app.api.predictions import CoalescedScripts, PredictionClient, UploadedImage, check_image
 from core import keys
 from core.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable, UnsupportedMedia
 from core.redis import connect_async
@@ -124,6 +125,86 @@ def test_reply_passthrough_and_worker_choice(clean_redis_url: str) -> None:
         with pytest.raises(UnsupportedMedia, match="cannot decode"):
             await client.predict("donejob", [_image()], 3)
         await worker
+        await client.close()
+        await client.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def _connections_on(sync: redis.Redis) -> int:
+    """Clients connected to this test's database, as Redis itself counts them (this one excluded)."""
+    db = sync.connection_pool.connection_kwargs.get("db", 0)
+    return sum(1 for c in sync.client_list() if int(c["db"]) == db) - 1
+
+
+def test_the_scripts_of_one_turn_go_in_one_pipeline_and_answer_their_own_callers(clean_redis_url: str) -> None:
+    """32 callers at once: one connection carries all 32 scripts (not 32), each caller gets its own
+    result or its own error, and a script Redis has never seen (NOSCRIPT, as after a restart) is
+    loaded and run once, not lost."""
+    sync = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+
+    async def scenario() -> None:
+        client = connect_async(clean_redis_url)
+        scripts = CoalescedScripts(client)
+        # Unique text: a script no server has cached, so the first pipeline meets NOSCRIPT.
+        push = client.register_script(f"-- {uuid.uuid4()}\n"
+                                      "if ARGV[1] == 'bad' then return redis.error_reply('refused') end\n"
+                                      "redis.call('RPUSH', KEYS[1], ARGV[1]) return ARGV[1]")
+        args = [str(i) for i in range(31)] + ["bad"]
+        results = await asyncio.gather(*(scripts.run(push, ["pushed"], [a]) for a in args), return_exceptions=True)
+        assert results[:31] == args[:31]
+        assert isinstance(results[31], redis.ResponseError) and "refused" in str(results[31])
+        assert sync.lrange("pushed", 0, -1) == args[:31]  # each ran once, in the callers' order
+        assert _connections_on(sync) == 1
+        # a lone call (a plain EVALSHA) and a later burst reuse the same connection
+        assert await scripts.run(push, ["pushed"], ["alone"]) == "alone"
+        assert await asyncio.gather(*(scripts.run(push, ["pushed"], [a]) for a in "xyz")) == list("xyz")
+        assert _connections_on(sync) == 1 and sync.llen("pushed") == 35
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_caller_that_gives_up_leaves_the_others_answered(clean_redis_url: str) -> None:
+    async def scenario() -> None:
+        client = connect_async(clean_redis_url)
+        scripts = CoalescedScripts(client)
+        echo = client.register_script("return ARGV[1]")
+        calls = [asyncio.ensure_future(scripts.run(echo, [], [str(i)])) for i in range(8)]
+        await asyncio.sleep(0)  # the calls are made and pending; one caller goes away
+        calls[3].cancel()
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        assert isinstance(results[3], asyncio.CancelledError)
+        assert [r for i, r in enumerate(results) if i != 3] == [str(i) for i in range(8) if i != 3]
+        await client.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_burst_of_predictions_is_queued_in_one_round_trip_and_answered_in_order(clean_redis_url: str) -> None:
+    """PredictionClient end to end with a hand-played worker: 24 concurrent requests for a succeeded
+    job and one for a job that is not: 24 queued, one Conflict, every answer to its own caller."""
+    sync = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    sync.hset(keys.job("donejob"), "status", "succeeded")
+    sync.hset(keys.job("runningjob"), "status", "running")
+    _register_device(sync, "n/cpu", [])
+
+    def fake_worker(count: int) -> None:
+        for _ in range(count):
+            _, raw = sync.blpop([keys.predict_queue("n/cpu")], timeout=5)
+            request = PredictRequest.decode(raw)
+            body = json.dumps({"job_id": request.job_id, "results": [{"filename": request.images[0].filename}]})
+            sync.rpush(request.reply_to, f"{request.request_id} 200 {body}")
+
+    async def scenario() -> None:
+        client = _client(clean_redis_url, timeout_s=10)
+        worker = asyncio.get_running_loop().run_in_executor(None, fake_worker, 24)
+        names = [UploadedImage(f"{i}.png", _image().data) for i in range(24)]
+        answers = await asyncio.gather(*(client.predict("donejob", [image], 1) for image in names),
+                                       client.predict("runningjob", [_image()], 1), return_exceptions=True)
+        await worker
+        assert [json.loads(a)["results"][0]["filename"] for a in answers[:24]] == [f"{i}.png" for i in range(24)]
+        assert isinstance(answers[24], Conflict)
         await client.close()
         await client.redis.aclose()
 
