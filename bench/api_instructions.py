@@ -206,7 +206,8 @@ def main() -> None:
         with worktree(args.compare) as tree:
             label = subprocess.run(["git", "rev-parse", "--short", args.compare], cwd=REPO, check=True,
                                    capture_output=True, text=True).stdout.strip()
-            rows.append((f"`{label}` ({args.compare})", measure_torchyard(tree, Path(tempfile.mkdtemp()), args.requests)))
+            name = f"`{label}`" if label.startswith(args.compare) else f"`{label}` ({args.compare})"
+            rows.append((name, measure_torchyard(tree, Path(tempfile.mkdtemp()), args.requests)))
     rows.append(("this tree", measure_torchyard(REPO, Path(tempfile.mkdtemp()), args.requests)))
     empty = measure_empty(Path(tempfile.mkdtemp()), args.requests)
     text = report(rows, empty, args.requests)

@@ -61,13 +61,14 @@ def images_zip(n: int) -> bytes:
 
 
 def raw_floor(checkpoint: Path, seconds: float) -> dict[str, Any]:
-    """bench/predict.py's floor at batch RAW_BATCH (normalize + forward + softmax, each setting of
-    threads × OpenMP waiting in a fresh process): {"images_s", "setting", "runs": {setting: img/s}}."""
+    """bench/predict.py's floor at batch RAW_BATCH (normalize + forward + softmax, eager and traced,
+    each setting of threads × OpenMP waiting in a fresh process): {"images_s", "setting", "runs":
+    {setting: img/s}}."""
     from bench.predict import floor
 
     best = floor(checkpoint, RAW_BATCH, seconds)
-    runs = {f"{r['threads']}, {r['omp']}": r["images_s"] for r in best["tried"]}
-    return {"images_s": best["images_s"], "setting": f"{best['threads']}, {best['omp']}", "runs": runs}
+    runs = {f"{r['threads']}, {r['omp']}, {r['graph']}": r["images_s"] for r in best["tried"]}
+    return {"images_s": best["images_s"], "setting": f"{best['threads']}, {best['omp']}, {best['graph']}", "runs": runs}
 
 
 @contextlib.contextmanager

@@ -91,32 +91,43 @@ def multipart_request(port: int, path: str, png: bytes, fields: dict[str, str]) 
 
 
 # ----------------------------------------------------------------------------- (a) the floor
-def raw_forward(checkpoint: Path, batch: int, seconds: float) -> dict[str, float]:
-    """In this process, with whatever threads and OpenMP policy it was started with."""
+def raw_forward(checkpoint: Path, batch: int, seconds: float, graph: str) -> dict[str, float]:
+    """In this process, with whatever threads and OpenMP policy it was started with: normalize +
+    forward + softmax eagerly (`graph="eager"`, the classic script), or the worker's traced serving
+    graph of the same operators (`"traced"`, worker/forward_graph.py), whichever is asked."""
     import torch
 
     from worker.checkpoint import load_model
+    from worker.forward_graph import build_forward
     from worker.preprocess import normalize, stats_tensors
 
     model, meta = load_model(checkpoint, "cpu")
     mean, std = stats_tensors(meta.preprocessing, "cpu")
     pre = meta.preprocessing
     x = torch.randint(0, 256, (batch, pre.channels, pre.height, pre.width), dtype=torch.uint8)
+    if graph == "traced":
+        traced = build_forward(model, pre, "cpu")
+        assert traced.kind == "torchscript"
+        run = traced.run
+    else:
+        def run(images: torch.Tensor) -> torch.Tensor:
+            return torch.softmax(model(normalize(images, mean, std)), dim=1)
     times: list[float] = []
-    with torch.inference_mode():
+    with torch.inference_mode(), torch.jit.optimized_execution(False):
         for _ in range(20):
-            torch.softmax(model(normalize(x, mean, std)), dim=1)
+            run(x)
         cpu0 = time.process_time()
         stop = time.perf_counter() + seconds
         while time.perf_counter() < stop:
             t0 = time.perf_counter()
-            torch.softmax(model(normalize(x, mean, std)), dim=1)
+            run(x)
             times.append(time.perf_counter() - t0)
         cpu = time.process_time() - cpu0
     return {"p50_ms": statistics.median(times) * 1e3, "images_s": batch / statistics.mean(times),
             "cpu_us_per_image": cpu * 1e6 / (batch * len(times))}
 
 
+GRAPHS = ("eager", "traced")
 # OpenMP's waiting between operators: libgomp's default, no spin at all, a short spin.
 OMP_SETTINGS = {"default": {}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
                 "GOMP_SPINCOUNT=30000": {"GOMP_SPINCOUNT": "30000"}}
@@ -124,14 +135,16 @@ FLOOR_SETTINGS = [(threads, policy) for threads in sorted({1, os.cpu_count() or 
 
 
 def floor(checkpoint: Path, batch: int, seconds: float) -> dict:
-    """The best of FLOOR_SETTINGS, each in a fresh process; every setting's figures kept."""
-    tried = []
+    """The best of FLOOR_SETTINGS × GRAPHS, each setting in a fresh process (both graphs, one after
+    the other, in it); every figure kept."""
+    tried: list[dict[str, Any]] = []
     for threads, policy in FLOOR_SETTINGS:
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
         out = subprocess.run([sys.executable, __file__, "--floor", str(checkpoint), str(batch), str(threads),
                               str(seconds)], env={**env, **OMP_SETTINGS[policy]}, cwd=REPO, check=True,
                              capture_output=True, text=True).stdout
-        tried.append({**json.loads(out.strip().splitlines()[-1]), "threads": threads, "omp": policy})
+        tried.extend({**measured, "threads": threads, "omp": policy}
+                     for measured in json.loads(out.strip().splitlines()[-1]))
     key = (lambda r: r["p50_ms"]) if batch == 1 else (lambda r: -r["images_s"])
     return {**min(tried, key=key), "tried": tried}
 
@@ -140,7 +153,7 @@ def floor_main(checkpoint: str, batch: int, threads: int, seconds: float) -> Non
     import torch
 
     torch.set_num_threads(threads)
-    print(json.dumps(raw_forward(Path(checkpoint), batch, seconds)))
+    print(json.dumps([{**raw_forward(Path(checkpoint), batch, seconds, graph), "graph": graph} for graph in GRAPHS]))
 
 
 # ----------------------------------------------------------------------------- load client
@@ -450,6 +463,17 @@ def run(args: argparse.Namespace) -> str:
     return report(args, raw, service, lit, empty, api_workers)
 
 
+def service_threads(floors: dict[int, dict]) -> int:
+    """The torch threads the service's forward of this model uses with TORCHYARD_PREDICT_CPU_THREADS
+    unset (worker/cpu_threads.ForwardThreads): every core when its one-image forward on one thread
+    takes HEAVY_FORWARD_S or more, else one."""
+    from worker.cpu_threads import HEAVY_FORWARD_S
+
+    one_image_s = next(t["p50_ms"] for t in floors[1]["tried"]
+                       if t["threads"] == 1 and t["omp"] == "default" and t["graph"] == "traced") / 1e3
+    return (os.cpu_count() or 1) if one_image_s >= HEAVY_FORWARD_S else 1
+
+
 def report(args, raw, service, lit, empty, api_workers) -> str:
     lines = ["| model | measure | floor (a) | torchyard /predict (b) | LitServe at its best (c) | (b)/(a) | (b)/(c) |",
              "|---|---|---|---|---|---|---|"]
@@ -475,13 +499,14 @@ def report(args, raw, service, lit, empty, api_workers) -> str:
         for name, a, b, c, unit in rows:
             lines.append(f"| {model} | {name} | {fmt(a, unit)} | {fmt(b, unit)} | {fmt(c, unit)} | "
                          f"{ratio(b, a)} | {ratio(b, c)} |")
-    floors = ["| model | batch | best setting | every setting (threads, OpenMP waiting: p50 ms / img/s) |",
+    floors = ["| model | batch | best setting | every setting (threads, OpenMP waiting, graph: p50 ms / img/s) |",
               "|---|---|---|---|"]
     for model in raw:
         for c in (1, MAX_BATCH):
             f = raw[model][c]
-            every = "; ".join(f"{t['threads']}, {t['omp']}: {t['p50_ms']:.2f} / {t['images_s']:,.0f}" for t in f["tried"])
-            floors.append(f"| {model} | {c} | {f['threads']} threads, {f['omp']} | {every} |")
+            every = "; ".join(f"{t['threads']}, {t['omp']}, {t['graph']}: {t['p50_ms']:.2f} / {t['images_s']:,.0f}"
+                              for t in f["tried"])
+            floors.append(f"| {model} | {c} | {f['threads']} threads, {f['omp']}, {f['graph']} | {every} |")
     peers = ["| model | concurrency | LitServe's best configuration |", "|---|---|---|"]
     for model in lit:
         for c in (1, MAX_BATCH):
@@ -491,11 +516,9 @@ def report(args, raw, service, lit, empty, api_workers) -> str:
     for model in service:
         for c in (1, MAX_BATCH):
             cell = service[model][c]
-            # The service's forward runs on half the cores (TORCHYARD_PREDICT_CPU_THREADS unset) with
-            # OpenMP's default waiting: the floor's CPU per image at the nearest setting it measured.
-            threads = min({t for t, _ in FLOOR_SETTINGS}, key=lambda t: abs(t - max(1, (os.cpu_count() or 1) // 2)))
+            threads = service_threads(raw[model])
             forward = next(t["cpu_us_per_image"] for t in raw[model][c]["tried"]
-                           if t["threads"] == threads and t["omp"] == "default") / 1e3
+                           if t["threads"] == threads and t["omp"] == "default" and t["graph"] == "traced") / 1e3
             cpu.append(f"| {model} | {c} | {cell['api_cpu_ms']:.3f} ms | {cell['worker_cpu_ms']:.3f} ms | "
                        f"{cell['redis_cpu_ms']:.3f} ms | {max(0.0, cell['worker_cpu_ms'] - forward) * 1e3:.0f} µs |")
     batch_lines = []
@@ -522,7 +545,7 @@ def report(args, raw, service, lit, empty, api_workers) -> str:
             f"(c) is the best of {len(LITSERVE_CONFIGS)} LitServe configurations per cell:\n\n" + "\n".join(peers)
             + "\n\n(d) The HTTP front end alone, same request, 32 clients:\n\n" + empty_lines + "\n\n"
             "CPU time per request of the torchyard processes (robust to a busy host, unlike wall-clock "
-            "figures; the forward's own CPU per image is the floor's at the service's setting, half the cores and OpenMP's default waiting, taken off the worker's; at c=1 the processes' background work, heartbeats and Celery's consumer, is spread over few requests):\n\n" + "\n".join(cpu) + "\n\n"
+            "figures; the forward's own CPU per image is the floor's at the service's setting, the traced graph with OpenMP's default waiting on one thread for a light model and every core for a heavy one (worker/cpu_threads.ForwardThreads), taken off the worker's; at c=1 the processes' background work, heartbeats and Celery's consumer, is spread over few requests):\n\n" + "\n".join(cpu) + "\n\n"
             "Batches formed by the torchyard worker during the c=32 cells:\n\n" + "\n".join(batch_lines) + "\n\n"
             f"Load average (1 min) at the start and end of the run: {LOAD_START[0]:.1f}, {os.getloadavg()[0]:.1f}.\n\n"
             + FINDINGS)
@@ -536,7 +559,16 @@ over which libgomp throttled both to futex sleeps at every op: a one-thread forw
 (resnet18, one client, 9.7-9.9 against 12.2-13.4 ms on two threads); with one team at a time
 (worker/cpu_threads.py: the intake and decode threads pinned to one thread, jobs in threads of
 their own) a two-thread forward is no longer throttled, but its spinning doubled the worker's CPU
-per request and slowed every cell on 2 shared cores, so the default stays half the cores; per image, the worker's decode pool tasks
+per request and slowed every cell on 2 shared cores; the eager forward waited for the GIL at every
+operator while the intake and decode threads decoded PNGs in Python (beside one decoding thread a
+batch-32 cifar_net forward ran at 1/3 to 1/6 of its speed alone, a batch-1 one at 1/15:
+bench/forward_gil.py), so the forward is now a traced graph that releases the GIL for the whole
+batch (worker/forward_graph.py), and with that, two threads pay for resnet18's long forward but
+not for cifar_net's short one: a heavy model's forward runs on every core, a light one's on one
+(worker/cpu_threads.ForwardThreads); in the API, one redis-py command per request cost more than
+the rest of its Redis work: the queueing scripts of the requests of one event-loop turn now go in
+one pipeline, and /predict skips FastAPI's middleware (instructions per request at 32 clients
+1.58 → 1.06 million, bench/api_instructions.py); per image, the worker's decode pool tasks
 (one per image, now one chunk per thread, a lone image on the intake thread), the pydantic reply
 models (now encoded from lists: 27 → 15 µs) and a second Redis round trip per batch (BLPOP and
 LPOP now pipelined): worker CPU per cifar_net image at c=32 0.29-0.31 → 0.22-0.25 ms, same run

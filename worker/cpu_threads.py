@@ -12,24 +12,26 @@ thread. So a worker keeps one team at a time:
 - While a job runs, its thread has the cores, and the /predict forward of a CPU device runs on one
   thread (no team). The job runs in a thread of its own (`run_in_own_thread`), so its team ends
   with it instead of living on, idle, in Celery's main thread.
-- While no job runs, the CPU device thread's forward has `predict_cpu_threads` (half the cores)
-  (worker/inference.py). A team cannot be shrunk, so when a job starts the device thread hands
-  over to a fresh one-thread device thread (`ForwardThreads.must_hand_over`) and the job waits for
-  that (`InferenceServer.release_cores`).
+- While no job runs, the CPU device thread's forward of a heavy model has all the cores (or
+  `predict_cpu_threads`), a light model's one (`ForwardThreads`, worker/inference.py). A team
+  cannot be shrunk, so when a job starts the device thread hands over to a fresh one-thread
+  device thread (`ForwardThreads.must_hand_over`) and the job waits for that
+  (`InferenceServer.release_cores`).
 - Every other thread that touches torch (intake, decode pool) is pinned to one thread
   (`pin_to_one_thread`).
 
-Why half the cores and not all, measured on this 2-core host where the API, Redis and the load
-client share the cores with the worker: with one team the forward's second thread is no longer
-throttled, so it spins between ops as libgomp means it to, and takes the core the API and Redis
-need. resnet18 alone, alternating runs of bench/predict.py's stack, looked better on two threads
-(one client p50 9.6-9.8 against 11.6-12.0 ms; 32 clients 731-832 against 661-684 images/s), but
-the full bench/predict.py run had the worker's CPU per request doubled and every cell slower:
-resnet18 one client 10.4 ms (worker CPU 19.2 ms per request, against 8.8 on one thread), 32
-clients 639 against 727 images/s; cifar_net one client 2.7 against 1.8 ms, 32 clients 1,519
-against 1,734 images/s. A host with cores to spare (or a CPU worker alone on its machine) sets
-TORCHYARD_PREDICT_CPU_THREADS higher; one team at a time is what keeps that from throttling the
-jobs. (Before the pinning, the intake thread's model load made a second team in every worker.)
+Why not all the cores for every model, measured on this 2-core host where the API, Redis and the
+load client share the cores with the worker: with one team the forward's second thread is no
+longer throttled, so it spins between ops and after the forward as libgomp means it to, and
+takes the core the API and Redis need. For a forward of a fraction of a millisecond (cifar_net)
+that spinning is most of what the second thread does: one client 2.1-3.8 ms on one thread
+against 3.2-4.4 on two, 32 clients 1,594-1,779 against 1,233-1,482 images/s. For resnet18 the
+split pays once the forward holds no GIL (worker/forward_graph.py; before, an eager forward
+waited for the decoding threads at every operator, and two threads lost there too): one client
+8.4-11.9 against 11.7-13.2 ms, 32 clients 645-841 against 590-592 images/s. Hence the rule in
+`ForwardThreads`; TORCHYARD_PREDICT_CPU_THREADS sets one count for every model instead. One team
+at a time is what keeps either from throttling the jobs. (Before the pinning, the intake thread's
+model load made a second team in every worker.)
 """
 
 from __future__ import annotations
@@ -52,18 +54,31 @@ def pin_to_one_thread() -> None:
     torch.set_num_threads(1)
 
 
+HEAVY_FORWARD_S = 0.004  # a one-image forward on one thread at least this long is split over the cores
+
+
 class ForwardThreads:
     """How many torch threads a CPU device's forward uses, and when its thread must be replaced.
 
-    `cores`: the forward's threads while no job runs (all the cores unless configured); during a
-    job, one. A thread that has run with more than one thread holds a team for good, so going down
-    to one means handing over to a fresh thread."""
+    While a job runs on the worker: one, always (the job has the cores). Otherwise, unless the
+    operator set a count for every model (TORCHYARD_PREDICT_CPU_THREADS), it depends on the model:
+    one whose one-image forward takes HEAVY_FORWARD_S or more on one thread (resnet18 at 32×32:
+    ~9 ms) runs on all the cores, a lighter one (cifar_net: ~0.2 ms) on one: an OpenMP team costs
+    a wake-up per operator and spins on the other cores after the forward, which a long forward
+    repays and a short one does not (measured: the module's docstring).
 
-    def __init__(self, cores: int) -> None:
+    A thread that has run with more than one thread holds a team for good, so going down to one
+    while a job runs means handing over to a fresh thread (a light model's forward on one thread
+    in the same thread is fine: the team sleeps, unused)."""
+
+    def __init__(self, cores: int, every_model: bool = False) -> None:
         self.cores = max(1, cores)
+        self.every_model = every_model  # the operator's count: for light models too
 
-    def wanted(self, job_running: bool) -> int:
-        return 1 if job_running else self.cores
+    def wanted(self, job_running: bool, heavy: bool = True) -> int:
+        if job_running:
+            return 1
+        return self.cores if heavy or self.every_model else 1
 
     @staticmethod
     def must_hand_over(wanted: int, most_used: int) -> bool:

@@ -10,12 +10,12 @@ docs/benchmarks.md), in images/s of the forward beside the decoder:
 
 | forward | eager | traced |
 |---|---:|---:|
-| cifar_net, batch 32 | 1.8–3.9k | 8.9–11.2k (10–13.5k alone) |
-| resnet18, batch 32 | 530–610 | 950–1,050 (1,020–1,100 alone) |
-| cifar_net, batch 1 | 210–220 | 1.3–1.4k (4.5k alone) |
+| cifar_net, batch 32 | 1.8–3.9k | 5.0–11.2k (10–13.5k alone) |
+| resnet18, batch 32 | 530–610 | 875–1,050 (930–1,100 alone) |
+| cifar_net, batch 1 | 210–300 | 1.0–2.0k (4.5–4.9k alone) |
 
-and the decoder's own CPU per image rose from 32 µs alone to 35–47 µs beside the eager forward
-(GIL hand-offs), 29–44 µs beside the traced one. A traced graph is entered once per batch and
+(two runs of two rounds) and the decoder's own CPU per image rose from 32 µs alone to 35–47 µs
+beside the eager forward (GIL hand-offs), 29–51 µs beside the traced one. A traced graph is entered once per batch and
 releases the GIL for the whole of it, so "decode in parallel, never on the thread that feeds the
 device" holds on a CPU as on a GPU, where it also spares the feeding thread the Python between
 kernel launches.

@@ -51,7 +51,7 @@ from core.wire import (
 )
 from worker.batching import BatchWindow, HostStaging, bucket_size
 from worker.checkpoint import CheckpointError, ModelMeta
-from worker.cpu_threads import ForwardThreads, pin_to_one_thread
+from worker.cpu_threads import HEAVY_FORWARD_S, ForwardThreads, pin_to_one_thread
 from worker.device import WorkerDevice
 from worker.model_cache import ModelCache, ResidentModel
 from worker.preprocess import apply_preprocessing
@@ -142,9 +142,10 @@ class InferenceServer:
         self.cache = cache
         self.max_batch = max_batch
         self.max_pixels = max_pixels
-        # A CPU device's forward: half the cores (or `cpu_threads`) while no job runs on this worker,
-        # one while one does (worker/cpu_threads.py says why not all of them).
-        self.forward_threads = ForwardThreads(cpu_threads or max(1, (os.cpu_count() or 1) // 2))
+        # A CPU device's forward: all the cores for a heavy model (or `cpu_threads` for every model)
+        # while no job runs on this worker, one for a light model, one while a job runs
+        # (worker/cpu_threads.py says why).
+        self.forward_threads = ForwardThreads(cpu_threads or os.cpu_count() or 1, every_model=cpu_threads is not None)
         self.job_running = job_running or (lambda: False)
         self.decode_threads = decode_threads or min(4, os.cpu_count() or 1)
         # Padding to bucketed sizes pays on a GPU (cuDNN tunes per shape) and costs on a CPU; the
@@ -343,21 +344,17 @@ class InferenceServer:
             # Tuned once per input shape: batch sizes are bucketed (worker/batching.bucket_size).
             torch.backends.cudnn.benchmark = True
         self._staging = HostStaging(torch.device(self.device.torch_device), self.max_batch, pinned=self.device.kind == "cuda")
-        threads = most_threads = 0
+        self._threads = self._most_threads = 0  # this thread's torch threads now, and the most it used
         while not self._halt.is_set():
             if self.device.kind == "cpu":
-                wanted = self.forward_threads.wanted(self.job_running())
-                if ForwardThreads.must_hand_over(wanted, most_threads):
+                job_running = self.job_running()
+                if ForwardThreads.must_hand_over(self.forward_threads.wanted(job_running), self._most_threads):
                     self._cores_free.clear()
                     self._device_thread = self._new_device_thread()  # one with no team, for the job's time
                     self._device_thread.start()
                     return
-                if wanted != threads:
-                    torch.get_num_threads()  # torch's lazy per-thread start first, then ours
-                    torch.set_num_threads(wanted)
-                    threads, most_threads = wanted, max(most_threads, wanted)
-                    self.stats.forward_threads = threads
-                if most_threads == 1:
+                self.stats.forward_threads = self.forward_threads.wanted(job_running)  # a heavy model's
+                if self._most_threads <= 1:
                     self._cores_free.set()
                 else:
                     self._cores_free.clear()
@@ -376,6 +373,8 @@ class InferenceServer:
                 self._device_idle.set()
 
     def _run(self, group: PreparedGroup) -> None:
+        if self.device.kind == "cpu":
+            self._use_threads(group.entry)
         try:
             probabilities = torch.cat([self._forward(group.entry, group.arrays[i:i + self.max_batch])
                                        for i in range(0, len(group.arrays), self.max_batch)])
@@ -388,6 +387,23 @@ class InferenceServer:
             self._send_results(group, probabilities)  # nothing waits for the device: spare a hand-off
         else:
             self._pool.submit(self._send_results, group, probabilities)
+
+    def _use_threads(self, entry: ResidentModel) -> None:
+        """This batch's torch threads on a CPU device, by the model's weight (worker/cpu_threads.py).
+
+        The cores are marked taken before the job flag is read: a job that starts after the read
+        waits in `release_cores` for the hand-over; one that started before it is seen here, and
+        the batch runs on one thread, making no team."""
+        heavy = entry.one_image_s is None or entry.one_image_s >= HEAVY_FORWARD_S
+        if self.forward_threads.wanted(False, heavy) > 1:
+            self._cores_free.clear()
+        wanted = self.forward_threads.wanted(self.job_running(), heavy)
+        if wanted != self._threads:
+            torch.get_num_threads()  # torch's lazy per-thread start first, then ours
+            torch.set_num_threads(wanted)
+            self._threads, self._most_threads = wanted, max(self._most_threads, wanted)
+        if self._most_threads <= 1:
+            self._cores_free.set()
 
     def _forward(self, entry: ResidentModel, arrays: list[np.ndarray]) -> torch.Tensor:
         """Probabilities (on the host) of `arrays`, padded to a bucketed size where that pays."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ class ResidentModel:
     forward: ForwardGraph  # uint8 batch on the device → probabilities; shares the model's parameters
     signature: tuple[int, int]  # (mtime_ns, size) of the file it came from
     nbytes: int
+    one_image_s: float | None = None  # a CPU device's one-image forward, timed at load on the loading thread
 
 
 class ModelCache:
@@ -82,7 +84,9 @@ class ModelCache:
     def _load(self, path: Path, signature: tuple[int, int]) -> ResidentModel:
         model, meta = load_model(path, self.device)  # torch.load(weights_only=True, map_location=device)
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-        return ResidentModel(model, meta, build_forward(model, meta.preprocessing, self.device), signature, nbytes)
+        forward = build_forward(model, meta.preprocessing, self.device)
+        one_image_s = _time_one_image(forward, meta) if torch.device(self.device).type == "cpu" else None
+        return ResidentModel(model, meta, forward, signature, nbytes, one_image_s)
 
     def _evict(self) -> None:
         while len(self._models) > 1 and (
@@ -101,3 +105,21 @@ class ModelCache:
             return {"resident": len(self._models), "resident_bytes": sum(m.nbytes for m in self._models.values()),
                     "max_count": self.max_count, "max_bytes": self.max_bytes, "hits": self.hits,
                     "loads": self.loads, "reloads": self.reloads, "evictions": self.evictions, "eager": self.eager}
+
+
+def _time_one_image(forward: ForwardGraph, meta: ModelMeta) -> float:
+    """The fastest of a few one-image forwards on the calling thread (the intake thread, which runs
+    on one torch thread): how heavy the model is, for worker/cpu_threads.ForwardThreads. Stops
+    after ~50 ms of forwards, so a big model costs its load three forwards at most."""
+    pre = meta.preprocessing
+    image = torch.zeros((1, pre.channels, pre.height, pre.width), dtype=torch.uint8)
+    fastest, spent = float("inf"), 0.0
+    with torch.inference_mode(), torch.jit.optimized_execution(False):
+        for _ in range(3):
+            started = time.perf_counter()
+            forward.run(image)
+            took = time.perf_counter() - started
+            fastest, spent = min(fastest, took), spent + took
+            if spent > 0.05:
+                break
+    return fastest

@@ -18,7 +18,7 @@ from core import keys
 from core.storage import CheckpointPaths
 from core.wire import PredictReply
 from tests.worker.test_inference import _encode, _request, _rgb, _save
-from worker.cpu_threads import ForwardThreads, pin_to_one_thread, run_in_own_thread
+from worker.cpu_threads import HEAVY_FORWARD_S, ForwardThreads, pin_to_one_thread, run_in_own_thread
 from worker.device import WorkerDevice
 from worker.inference import InferenceServer
 from worker.model_cache import ModelCache
@@ -42,6 +42,14 @@ def test_the_policy_gives_the_cores_to_a_job_and_hands_over_a_thread_that_holds_
     assert not ForwardThreads.must_hand_over(1, most_used=1)
     assert not ForwardThreads.must_hand_over(8, most_used=8)
     assert ForwardThreads(0).cores == 1
+
+
+def test_a_light_model_keeps_to_one_thread_unless_the_operator_set_a_count() -> None:
+    by_weight, configured = ForwardThreads(8), ForwardThreads(8, every_model=True)
+    assert by_weight.wanted(job_running=False, heavy=True) == 8
+    assert by_weight.wanted(job_running=False, heavy=False) == 1
+    assert configured.wanted(job_running=False, heavy=False) == 8
+    assert by_weight.wanted(job_running=True, heavy=True) == configured.wanted(job_running=True, heavy=False) == 1
 
 
 def test_a_job_thread_runs_on_its_threads_and_its_team_ends_with_it() -> None:
@@ -132,3 +140,31 @@ def test_the_forward_leaves_the_cores_to_a_job_and_takes_them_back(clean_redis_u
         server.stop()
         server.join()
     assert not server._device_thread.is_alive()
+
+
+@pytest.mark.skipif((psutil.cpu_count() or 1) < 2, reason="a team needs two cores")
+def test_a_light_models_forward_makes_no_team_and_a_configured_count_does(clean_redis_url: str, tmp_path) -> None:
+    """cifar_net's one-image forward takes a fraction of a millisecond, far under HEAVY_FORWARD_S:
+    with no count configured its batches run on one thread, and no OpenMP thread appears in the
+    process; with TORCHYARD_PREDICT_CPU_THREADS=2 the same batches start one."""
+    client = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    paths = CheckpointPaths(tmp_path)
+    _save(paths, "job-a", 5)
+    png = _encode(_rgb(1), "PNG")
+    created: dict[int | None, int] = {}
+    for cpu_threads in (None, 2):
+        device = WorkerDevice("cpu", None, "testnode")
+        cache = ModelCache(paths, "cpu", 2, 1 << 30)
+        server = InferenceServer(client, device, cache, max_batch=8, max_wait_ms=1, max_pixels=10_000,
+                                 cpu_threads=cpu_threads, decode_threads=1)
+        server.start()
+        try:
+            before = _os_threads()
+            for i in range(4):  # one image each: decoded on the intake, answered by the device thread
+                assert _answer(client, keys.predict_queue(device.id), png, f"reply:{i}").status == 200
+            created[cpu_threads] = _os_threads() - before
+            assert cache.get("job-a").one_image_s is not None and cache.get("job-a").one_image_s < HEAVY_FORWARD_S
+        finally:
+            server.stop()
+            server.join()
+    assert created == {None: 0, 2: 1}

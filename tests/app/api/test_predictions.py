@@ -11,6 +11,7 @@ import uuid
 import numpy as np
 import pytest
 import redis
+import redis.asyncio as aioredis
 from PIL import Image
 
 from app.api.predictions import CoalescedScripts, PredictionClient, UploadedImage, check_image
@@ -131,10 +132,9 @@ def test_reply_passthrough_and_worker_choice(clean_redis_url: str) -> None:
     asyncio.run(scenario())
 
 
-def _connections_on(sync: redis.Redis) -> int:
-    """Clients connected to this test's database, as Redis itself counts them (this one excluded)."""
-    db = sync.connection_pool.connection_kwargs.get("db", 0)
-    return sum(1 for c in sync.client_list() if int(c["db"]) == db) - 1
+def _connections_named(sync: redis.Redis, name: str) -> int:
+    """Clients connected under `name`, as Redis itself counts them."""
+    return sum(1 for c in sync.client_list() if c.get("name") == name)
 
 
 def test_the_scripts_of_one_turn_go_in_one_pipeline_and_answer_their_own_callers(clean_redis_url: str) -> None:
@@ -143,8 +143,10 @@ def test_the_scripts_of_one_turn_go_in_one_pipeline_and_answer_their_own_callers
     loaded and run once, not lost."""
     sync = redis.Redis.from_url(clean_redis_url, decode_responses=True)
 
+    name = f"coalesced-{uuid.uuid4().hex[:12]}"
+
     async def scenario() -> None:
-        client = connect_async(clean_redis_url)
+        client = aioredis.Redis.from_url(clean_redis_url, decode_responses=True, client_name=name)
         scripts = CoalescedScripts(client)
         # Unique text: a script no server has cached, so the first pipeline meets NOSCRIPT.
         push = client.register_script(f"-- {uuid.uuid4()}\n"
@@ -155,11 +157,11 @@ def test_the_scripts_of_one_turn_go_in_one_pipeline_and_answer_their_own_callers
         assert results[:31] == args[:31]
         assert isinstance(results[31], redis.ResponseError) and "refused" in str(results[31])
         assert sync.lrange("pushed", 0, -1) == args[:31]  # each ran once, in the callers' order
-        assert _connections_on(sync) == 1
+        assert _connections_named(sync, name) == 1
         # a lone call (a plain EVALSHA) and a later burst reuse the same connection
         assert await scripts.run(push, ["pushed"], ["alone"]) == "alone"
         assert await asyncio.gather(*(scripts.run(push, ["pushed"], [a]) for a in "xyz")) == list("xyz")
-        assert _connections_on(sync) == 1 and sync.llen("pushed") == 35
+        assert _connections_named(sync, name) == 1 and sync.llen("pushed") == 35
         await client.aclose()
 
     asyncio.run(scenario())
