@@ -47,8 +47,9 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
 
     # No OpenMP wait policy is set: OpenMP threads that sleep between operators (PASSIVE) cost a CPU
     # training loop about a third of its speed, and capping libgomp's spin (GOMP_SPINCOUNT=30000)
-    # about a tenth (docs/benchmarks.md); /predict no longer needs either, since its forward runs on
-    # half the cores (one thread on a 2-core host: no OpenMP team to spin).
+    # about a tenth (docs/benchmarks.md); /predict does without either: a light model's forward runs
+    # on one thread (no team to spin), and a heavy one's is long enough to repay the spin after it
+    # (worker/cpu_threads.ForwardThreads).
     try:
         choice = DeviceChoice.parse(args.device)
         if not is_pinned(args.device, os.environ):

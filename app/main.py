@@ -14,10 +14,10 @@ from fastapi import Depends, FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.deps import bearer_scheme
-from app.api.errors import install_error_handlers
+from app.api.errors import install_error_handlers, unexpected_error_response
 from app.api.front import FrontGate
 from app.api.routes import aliases, dashboard, datasets, devices, exports, health, jobs, metrics, models, predict
 from app.api.services import Services
@@ -54,7 +54,25 @@ class TorchyardApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         scope["app"] = self  # as Starlette sets it: what routes and the gate read app.state from
-        await self.edge(scope, receive, send)
+        if scope["type"] != "http":
+            await self.edge(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.edge(scope, receive, tracking_send)
+        except Exception as exc:
+            # What FastAPI's ServerErrorMiddleware did when it was outermost: a bug anywhere in the
+            # edge is still a JSON 500 (logged with its trace), and then uvicorn hears of it.
+            if not started:
+                response = unexpected_error_response(exc, scope["method"], scope["path"], log_trace=True)
+                await response(scope, receive, send)
+            raise
 
 
 def create_app(settings: Settings | None = None) -> TorchyardApp:

@@ -467,11 +467,11 @@ def service_threads(floors: dict[int, dict]) -> int:
     """The torch threads the service's forward of this model uses with TORCHYARD_PREDICT_CPU_THREADS
     unset (worker/cpu_threads.ForwardThreads): every core when its one-image forward on one thread
     takes HEAVY_FORWARD_S or more, else one."""
-    from worker.cpu_threads import HEAVY_FORWARD_S
+    from worker.cpu_threads import HEAVY_FORWARD_S, usable_cores
 
     one_image_s = next(t["p50_ms"] for t in floors[1]["tried"]
                        if t["threads"] == 1 and t["omp"] == "default" and t["graph"] == "traced") / 1e3
-    return (os.cpu_count() or 1) if one_image_s >= HEAVY_FORWARD_S else 1
+    return usable_cores() if one_image_s >= HEAVY_FORWARD_S else 1
 
 
 def report(args, raw, service, lit, empty, api_workers) -> str:

@@ -36,6 +36,7 @@ model load made a second team in every worker.)
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -52,6 +53,15 @@ def pin_to_one_thread() -> None:
     to the count *any* thread set last, which would undo a `set_num_threads(1)` made before it."""
     torch.get_num_threads()
     torch.set_num_threads(1)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a container's cpuset, `taskset`), not
+    the machine's count, which a container limited to 2 of 64 cores would otherwise take for its own."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity on this platform
+        return os.cpu_count() or 1
 
 
 HEAVY_FORWARD_S = 0.004  # a one-image forward on one thread at least this long is split over the cores

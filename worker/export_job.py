@@ -131,6 +131,9 @@ def _write_torchscript(model: nn.Module, example: torch.Tensor, path: Path, mani
         # TorchServe and plain `torch.jit.load` run; its FutureWarnings say nothing about this file.
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
+        # A warning, as it always was here (the serving graph makes it an error: worker/forward_graph.py);
+        # the export's own parity check on real images judges the file.
+        warnings.simplefilter("default", torch.jit.TracerWarning)
         with torch.no_grad():
             traced = torch.jit.trace(model, example, check_trace=False)
         torch.jit.save(traced, str(path), _extra_files={"torchyard.json": json.dumps(manifest)})

@@ -97,12 +97,9 @@ def build_forward(network: nn.Module, pre: Preprocessing, device: torch.device |
     generator = torch.Generator().manual_seed(0)
     example, probe = (torch.randint(0, 256, (batch, pre.channels, pre.height, pre.width), dtype=torch.uint8,
                                     generator=generator).to(device) for batch in (EXAMPLE_BATCH, PROBE_BATCH))
+    _configure_trace_warnings()
     try:
-        with warnings.catch_warnings(), torch.no_grad(), torch.jit.optimized_execution(False):
-            warnings.simplefilter("ignore", FutureWarning)  # torch.jit's deprecation notice
-            # The tracer's own warning that a Python value read off a tensor became a constant
-            # (a branch on the input, a size turned into a number): the graph may not generalise.
-            warnings.simplefilter("error", torch.jit.TracerWarning)
+        with torch.no_grad(), torch.jit.optimized_execution(False):
             traced = torch.jit.trace(eager, example, check_trace=False)
             difference = (traced(probe) - eager(probe)).abs().max().item()
     except Exception as exc:  # a network the tracer cannot follow is still served, eagerly
@@ -113,3 +110,14 @@ def build_forward(network: nn.Module, pre: Preprocessing, device: torch.device |
                     type(network).__name__, difference)
         return ForwardGraph(eager, "eager")
     return ForwardGraph(traced, "torchscript")
+
+
+def _configure_trace_warnings() -> None:
+    """For this process, before every trace: torch.jit's deprecation notices silenced, and the
+    tracer's own warning that a Python value read off a tensor became a constant (a branch on the
+    input, a size turned into a number: the graph may not generalise) raised as an error, so
+    `build_forward` falls back to the eager module. Added to the filters, idempotently, never
+    saved and restored: `warnings.catch_warnings` is not thread-safe, and the intake thread and a
+    job's thread may trace at the same moment (one could leave the other's filters behind)."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.jit")
+    warnings.filterwarnings("error", category=torch.jit.TracerWarning)

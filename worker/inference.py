@@ -24,7 +24,6 @@ from __future__ import annotations
 import gc
 import io
 import logging
-import os
 import queue
 import threading
 import time
@@ -51,7 +50,7 @@ from core.wire import (
 )
 from worker.batching import BatchWindow, HostStaging, bucket_size
 from worker.checkpoint import CheckpointError, ModelMeta
-from worker.cpu_threads import HEAVY_FORWARD_S, ForwardThreads, pin_to_one_thread
+from worker.cpu_threads import HEAVY_FORWARD_S, ForwardThreads, pin_to_one_thread, usable_cores
 from worker.device import WorkerDevice
 from worker.model_cache import ModelCache, ResidentModel
 from worker.preprocess import apply_preprocessing
@@ -145,9 +144,9 @@ class InferenceServer:
         # A CPU device's forward: all the cores for a heavy model (or `cpu_threads` for every model)
         # while no job runs on this worker, one for a light model, one while a job runs
         # (worker/cpu_threads.py says why).
-        self.forward_threads = ForwardThreads(cpu_threads or os.cpu_count() or 1, every_model=cpu_threads is not None)
+        self.forward_threads = ForwardThreads(cpu_threads or usable_cores(), every_model=cpu_threads is not None)
         self.job_running = job_running or (lambda: False)
-        self.decode_threads = decode_threads or min(4, os.cpu_count() or 1)
+        self.decode_threads = decode_threads or min(4, usable_cores())
         # Padding to bucketed sizes pays on a GPU (cuDNN tunes per shape) and costs on a CPU; the
         # tests turn it on for the CPU to run the same path.
         self.pad_to_buckets = device.kind == "cuda" if pad_to_buckets is None else pad_to_buckets
@@ -175,6 +174,10 @@ class InferenceServer:
     def start(self) -> None:
         if self.device.kind == "cpu":  # what the device thread sets first: so the first heartbeat says it too
             self.stats.forward_threads = self.forward_threads.wanted(self.job_running())
+        if self.device.kind == "cuda":
+            # Tuned once per input shape: batch sizes are bucketed (worker/batching.bucket_size). Set
+            # before any model loads: a traced graph keeps the cuDNN flags it was traced under.
+            torch.backends.cudnn.benchmark = True
         self._intake_thread.start()
         self._device_thread.start()
 
@@ -341,8 +344,6 @@ class InferenceServer:
     def _serve_device(self) -> None:
         if self.device.kind == "cuda":
             self._stream = torch.cuda.Stream(priority=HIGH_PRIORITY)
-            # Tuned once per input shape: batch sizes are bucketed (worker/batching.bucket_size).
-            torch.backends.cudnn.benchmark = True
         self._staging = HostStaging(torch.device(self.device.torch_device), self.max_batch, pinned=self.device.kind == "cuda")
         self._threads = self._most_threads = 0  # this thread's torch threads now, and the most it used
         while not self._halt.is_set():

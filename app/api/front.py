@@ -165,7 +165,11 @@ class OriginCheck:
             return True
         if value == "null" or host is None:  # sandboxed frames, file:// pages
             return False
-        return _without_default_port(urlsplit(value).netloc) == _without_default_port(host.decode("latin-1"))
+        try:
+            netloc = urlsplit(value).netloc
+        except ValueError:  # `http://[::1` and the like: not an origin, so not this server's
+            return False
+        return _without_default_port(netloc) == _without_default_port(host.decode("latin-1"))
 
 
 class BodyTooLarge(HTTPException):

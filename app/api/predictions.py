@@ -40,6 +40,7 @@ from core.storage import validate_id
 from core.wire import PredictRequest, WireImage
 
 LIVE_CACHE_S = 0.5
+LIVE_READ_TIMEOUT_S = 5.0
 
 # Queue the request only if the job succeeded; return its status either way (nil: no such job).
 _QUEUE_IF_SUCCEEDED = """
@@ -107,20 +108,25 @@ class CoalescedScripts:
         task.add_done_callback(self._sending.discard)
 
     async def _send(self, calls: list[_ScriptCall]) -> None:
+        calls = [call for call in calls if not call.result.done()]  # a caller that went away queues nothing
         try:
-            results = await self._evaluate(calls)
+            if calls:
+                results = await self._evaluate(calls)
+                for call, result in zip(calls, results, strict=True):
+                    if call.result.done():  # its caller gave up meanwhile (a cancelled request)
+                        continue
+                    if isinstance(result, Exception):
+                        call.result.set_exception(result)
+                    else:
+                        call.result.set_result(result)
         except Exception as exc:  # the pipeline itself failed (Redis away): every caller gets the error
             for call in calls:
                 if not call.result.done():
                     call.result.set_exception(exc)
-            return
-        for call, result in zip(calls, results, strict=True):
-            if call.result.done():  # its caller gave up (a cancelled request)
-                continue
-            if isinstance(result, Exception):
-                call.result.set_exception(result)
-            else:
-                call.result.set_result(result)
+        finally:  # cancelled (the loop is closing): nobody is left waiting for ever
+            for call in calls:
+                if not call.result.done():
+                    call.result.cancel()
 
     async def _evaluate(self, calls: list[_ScriptCall]) -> list[Any]:
         if len(calls) == 1:  # alone in its turn: a plain EVALSHA costs less than a pipeline of one
@@ -131,11 +137,16 @@ class CoalescedScripts:
         results = await self._pipeline(calls)
         # Redis restarted (or its script cache was flushed): those scripts did not run; load them and
         # run them again (redis-py's own pipeline would ask SCRIPT EXISTS before every pipeline).
+        # The others ran: whatever happens to the second try is only the missing calls' answer.
         missing = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
         if missing:
-            for script in {calls[i].script.sha: calls[i].script for i in missing}.values():
-                await self.redis.script_load(script.script)
-            for i, result in zip(missing, await self._pipeline([calls[i] for i in missing]), strict=True):
+            try:
+                for script in {calls[i].script.sha: calls[i].script for i in missing}.values():
+                    await self.redis.script_load(script.script)
+                again: list[Any] = await self._pipeline([calls[i] for i in missing])
+            except Exception as exc:
+                again = [exc] * len(missing)
+            for i, result in zip(missing, again, strict=True):
                 results[i] = result
         return results
 
@@ -226,7 +237,7 @@ class PredictionClient:
                 raise Unavailable(f"worker {device.worker} ({device.id}) did not answer within "
                                   f"{self.timeout_s:g}s") from None
         finally:
-            self.inbox.forget(request_id)
+            self.inbox.forget(request_id, answer)
         reply.raise_for_status()
         return reply.body.encode() if alias is None else _naming_alias(reply.body, alias)
 
@@ -285,6 +296,12 @@ class PredictionClient:
         return await asyncio.shield(self._live_reading)
 
     async def _read_live_devices(self) -> list[Device]:
+        # Bounded: every request in the process waits on this one read, and a connection that
+        # hangs (half-open, no socket timeout reached) must not hold them all; the next one reads anew.
+        async with asyncio.timeout(min(self.timeout_s, LIVE_READ_TIMEOUT_S)):
+            return await self._read_live_devices_unbounded()
+
+    async def _read_live_devices_unbounded(self) -> list[Device]:
         ids = sorted(await self.redis.smembers(keys.DEVICES_INDEX))
         live: list[Device] = []
         if ids:

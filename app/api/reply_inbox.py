@@ -53,11 +53,15 @@ class ReplyInbox:
         self._waiting[request_id] = (future, loop.call_later(timeout_s, _time_out, future))
         return request_id, future
 
-    def forget(self, request_id: str) -> None:
-        """The caller stopped waiting (answered, timed out or cancelled)."""
+    def forget(self, request_id: str, answer: asyncio.Future[PredictReply]) -> None:
+        """The caller stopped waiting (answered, timed out, failed before it waited, or cancelled)."""
         waiting = self._waiting.pop(request_id, None)
         if waiting is not None:
             waiting[1].cancel()
+        if not answer.done():
+            answer.cancel()
+        elif not answer.cancelled():
+            answer.exception()  # read: a timeout nobody awaited (the request failed first) is not logged
 
     async def close(self) -> None:
         listener, self._listener = self._listener, None

@@ -216,7 +216,7 @@ def test_host_and_origin_guards(guarded_api: dict) -> None:
         assert httpx.get(f"{base}/jobs", headers={**auth, "Host": host}).status_code == 200, host
     # A state-changing request from a page of another origin: refused, with or without the key.
     spec = {"model": "nosuch", "dataset": "fake"}
-    for origin in ("http://attacker.example", "null", f"http://127.0.0.1:{port + 1}"):
+    for origin in ("http://attacker.example", "null", f"http://127.0.0.1:{port + 1}", "http://[::1"):
         refused = httpx.post(f"{base}/jobs", json=spec, headers={**auth, "Origin": origin})
         assert refused.status_code == 403 and "TORCHYARD_ALLOWED_ORIGINS" in refused.json()["detail"], origin
     # The same origin (the dashboard) goes through to validation; a read from anywhere is not refused here.

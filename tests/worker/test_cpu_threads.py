@@ -17,7 +17,9 @@ import torch
 from core import keys
 from core.storage import CheckpointPaths
 from core.wire import PredictReply
+from models.registry import build_model
 from tests.worker.test_inference import _encode, _request, _rgb, _save
+from worker.checkpoint import ModelMeta, Preprocessing, save_model
 from worker.cpu_threads import HEAVY_FORWARD_S, ForwardThreads, pin_to_one_thread, run_in_own_thread
 from worker.device import WorkerDevice
 from worker.inference import InferenceServer
@@ -143,16 +145,24 @@ def test_the_forward_leaves_the_cores_to_a_job_and_takes_them_back(clean_redis_u
 
 
 @pytest.mark.skipif((psutil.cpu_count() or 1) < 2, reason="a team needs two cores")
-def test_a_light_models_forward_makes_no_team_and_a_configured_count_does(clean_redis_url: str, tmp_path) -> None:
+def test_a_light_models_forward_makes_no_team_and_a_heavy_ones_does(clean_redis_url: str, tmp_path) -> None:
     """cifar_net's one-image forward takes a fraction of a millisecond, far under HEAVY_FORWARD_S:
-    with no count configured its batches run on one thread, and no OpenMP thread appears in the
-    process; with TORCHYARD_PREDICT_CPU_THREADS=2 the same batches start one."""
+    with no count configured its batches run on one thread and no OpenMP thread appears in the
+    process; with TORCHYARD_PREDICT_CPU_THREADS=2 the same batches start one, and so does a heavy
+    model's forward (resnet18 at 64×64, ~35 ms on one thread here) with no count configured."""
     client = redis.Redis.from_url(clean_redis_url, decode_responses=True)
     paths = CheckpointPaths(tmp_path)
     _save(paths, "job-a", 5)
+    torch.manual_seed(0)
+    heavy_path = paths.final("job-heavy")
+    heavy_path.parent.mkdir(parents=True, exist_ok=True)
+    save_model(heavy_path, build_model("resnet18", 10).eval(),
+               ModelMeta("resnet18", 10, [f"c{i}" for i in range(10)],
+                         Preprocessing(3, 64, 64, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)), "job-heavy"))
     png = _encode(_rgb(1), "PNG")
-    created: dict[int | None, int] = {}
-    for cpu_threads in (None, 2):
+    created: dict[str, int] = {}
+    for label, job_id, cpu_threads in (("light", "job-a", None), ("light-configured", "job-a", 2),
+                                       ("heavy", "job-heavy", None)):
         device = WorkerDevice("cpu", None, "testnode")
         cache = ModelCache(paths, "cpu", 2, 1 << 30)
         server = InferenceServer(client, device, cache, max_batch=8, max_wait_ms=1, max_pixels=10_000,
@@ -161,10 +171,13 @@ def test_a_light_models_forward_makes_no_team_and_a_configured_count_does(clean_
         try:
             before = _os_threads()
             for i in range(4):  # one image each: decoded on the intake, answered by the device thread
-                assert _answer(client, keys.predict_queue(device.id), png, f"reply:{i}").status == 200
-            created[cpu_threads] = _os_threads() - before
-            assert cache.get("job-a").one_image_s is not None and cache.get("job-a").one_image_s < HEAVY_FORWARD_S
+                client.rpush(keys.predict_queue(device.id), _request(job_id, [png], f"reply:{label}:{i}"))
+                reply = client.blpop([f"reply:{label}:{i}"], timeout=30)
+                assert reply is not None and PredictReply.decode_addressed(reply[1])[1].status == 200
+            created[label] = _os_threads() - before
+            one_image_s = cache.get(job_id).one_image_s
+            assert one_image_s is not None and (one_image_s >= HEAVY_FORWARD_S) == (label == "heavy")
         finally:
             server.stop()
             server.join()
-    assert created == {None: 0, 2: 1}
+    assert created == {"light": 0, "light-configured": 1, "heavy": 1}

@@ -52,6 +52,30 @@ def test_origin_check() -> None:
     assert check.allows("DELETE", b"https://ui.example", b"127.0.0.1:8000")
     assert not check.allows("POST", b"http://attacker.example", b"127.0.0.1:8000")
     assert not check.allows("DELETE", b"null", b"127.0.0.1:8000")
+    assert not check.allows("POST", b"http://[::1", b"127.0.0.1:8000")  # no origin at all, not an error
+
+
+def test_a_failure_in_the_edge_is_a_json_500_as_fastapis_own_would_be() -> None:
+    """The metrics and the front gate run before FastAPI's ServerErrorMiddleware (app/main.py): a bug
+    there must still answer the contract's JSON 500, once, and not a bare text one."""
+    import asyncio
+
+    import httpx
+
+    app = create_app(SETTINGS)
+
+    async def broken(scope, receive, send) -> None:
+        raise RuntimeError("a bug in the edge")
+
+    app.edge = broken
+
+    async def get() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            return await client.get("/healthz")
+
+    response = asyncio.run(get())
+    assert response.status_code == 500 and "RuntimeError" in response.json()["detail"]
 
 
 def test_loopback_binds() -> None:
