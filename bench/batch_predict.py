@@ -1,7 +1,7 @@
 """Batch predictions against their floor: a `predict` job over 10,000 32×32 PNGs through a real
 stack (embedded Redis, API, one CPU worker), end to end, against the raw batched forward of the
-same checkpoint (batch 32; bench/predict.py's floor: the best of threads × OpenMP waiting, each
-in a fresh subprocess).
+same checkpoint (batch 32; bench/predict.py's floor: the best of threads × OpenMP waiting × the
+eager or the traced graph, each setting in a fresh subprocess).
 
     .venv/bin/python bench/batch_predict.py [--images 10000] [--models cifar_net resnet18]
 
@@ -38,7 +38,7 @@ stack's processes stopped (SIGSTOP), so nothing of ours runs beside it. A job on
 decodes in one DataLoader process and runs the forward on the rest of the cores (2 cores: one torch
 thread), or on every core once its second batch shows decoding to be light beside the forward
 (worker/predict_job.ForwardThreadChoice: resnet18 here, 0.63× of its floor before, 0.85× and 0.96× in
-two runs after); measured with the handler's own loop on this host (bench-free, 10,000 files), one thread
+two runs after; 0.83× of a floor that now includes the traced graph, which the job runs too); measured with the handler's own loop on this host (bench-free, 10,000 files), one thread
 with a decode process did 4,300 to 5,000 img/s for cifar_net against 3,000 to 3,100 with two torch
 threads beside the decoder (the forward's spinning threads and the decoder take turns on 2 cores),
 and batch 64 to 256 changed it by under 10%. For a 32×32 PNG, decoding costs ~50 µs of CPU, a
@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> str:
     lines = [f"Batch predictions, {args.images:,} {SIZE}×{SIZE} PNGs, one CPU worker ({os.cpu_count()} cores), "
              f"default batch (64), medians of {args.repeats} floor + job pairs; load average {load_start[0]:.2f} "
              f"before, {load_end[0]:.2f} after.", "",
-             "| model | raw forward, batch 32 (best of threads × OpenMP waiting) | predict job, end to end | ratio | "
+             "| model | raw forward, batch 32 (best of threads × OpenMP waiting × eager or traced graph) | predict job, end to end | ratio | "
              "handler's own "
              "rate |",
              "|---|---|---|---|---|"]
