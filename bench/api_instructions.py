@@ -28,7 +28,6 @@ import functools
 import glob
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.docs import write_section  # noqa: E402 (after the sys.path entry above)
-from bench.predict import EMPTY_APP, make_checkpoint, multipart_request, sample_png, wait_http  # noqa: E402
+from bench.predict import EMPTY_APP, kill_group, make_checkpoint, multipart_request, sample_png, wait_http  # noqa: E402
 
 CONCURRENCY = (1, 32)
 MODEL = "cifar_net"
@@ -94,16 +93,6 @@ def count(proc: subprocess.Popen, out: Path, send: Callable[[], int]) -> tuple[i
     raise TimeoutError(f"callgrind wrote no dump under {out}")
 
 
-def stop(proc: subprocess.Popen) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def measure_torchyard(tree: Path, work: Path, requests: int) -> dict[int, float]:
     import redis
 
@@ -136,7 +125,7 @@ def measure_torchyard(tree: Path, work: Path, requests: int) -> dict[int, float]
         return found
     finally:
         if api is not None:
-            stop(api)
+            kill_group(api)
         procs.stop_all()
         server.stop()
 
@@ -169,7 +158,7 @@ def measure_empty(work: Path, requests: int) -> dict[str, float]:
             found[kind] = instructions / sent
         return found
     finally:
-        stop(proc)
+        kill_group(proc)
 
 
 @contextlib.contextmanager
