@@ -15,8 +15,8 @@ docs/benchmarks.md), in images/s of the forward beside the decoder:
 | cifar_net, batch 1 | 210–300 | 1.0–2.0k (4.5–4.9k alone) |
 
 (two runs of two rounds) and the decoder's own CPU per image rose from 32 µs alone to 35–47 µs
-beside the eager forward (GIL hand-offs), 29–51 µs beside the traced one. A traced graph is entered once per batch and
-releases the GIL for the whole of it, so "decode in parallel, never on the thread that feeds the
+beside the eager forward (GIL hand-offs), 29–51 µs beside the traced one. A traced graph is
+entered once per batch and releases the GIL for the whole of it, so "decode in parallel, never on the thread that feeds the
 device" holds on a CPU as on a GPU, where it also spares the feeding thread the Python between
 kernel launches.
 

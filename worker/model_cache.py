@@ -1,9 +1,10 @@
 """Checkpoints resident on a worker's device for /predict: an LRU bounded by count and bytes.
 
 Loading a checkpoint costs a file read, a host-to-device copy and a trace of its serving graph
-(worker/forward_graph.py; tens of ms each for a resnet18), so each worker keeps the models it served; a job whose model.pt was rewritten is noticed by the
-file's (mtime, size) and loaded again. Counters go out with the heartbeat (GET /devices →
-`inference.cache`), so loads, reloads and evictions can be observed.
+(worker/forward_graph.py; tens of ms each for a resnet18), so each worker keeps the models it
+served; a job whose model.pt was rewritten is noticed by the file's (mtime, size) and loaded again.
+Counters go out with the heartbeat (GET /devices → `inference.cache`), so loads, reloads and
+evictions can be observed.
 """
 
 from __future__ import annotations

@@ -298,16 +298,13 @@ class PredictionClient:
     async def _read_live_devices(self) -> list[Device]:
         # Bounded: every request in the process waits on this one read, and a connection that
         # hangs (half-open, no socket timeout reached) must not hold them all; the next one reads anew.
-        async with asyncio.timeout(min(self.timeout_s, LIVE_READ_TIMEOUT_S)):
-            return await self._read_live_devices_unbounded()
-
-    async def _read_live_devices_unbounded(self) -> list[Device]:
-        ids = sorted(await self.redis.smembers(keys.DEVICES_INDEX))
         live: list[Device] = []
-        if ids:
-            pipe = self.redis.pipeline(transaction=False)
-            liveness_reads(pipe, ids)
-            live = [d for d in devices_from_replies(await pipe.execute()) if d.status in SERVING]
+        async with asyncio.timeout(min(self.timeout_s, LIVE_READ_TIMEOUT_S)):
+            ids = sorted(await self.redis.smembers(keys.DEVICES_INDEX))
+            if ids:
+                pipe = self.redis.pipeline(transaction=False)
+                liveness_reads(pipe, ids)
+                live = [d for d in devices_from_replies(await pipe.execute()) if d.status in SERVING]
         self._live, self._live_at = live, time.monotonic()
         return live
 
