@@ -1,8 +1,9 @@
 """Faults the service must survive, with real processes on real Redis: workers SIGKILLed mid-job
 until the job runs out of attempts, a corrupt resume checkpoint, a Redis restart (embedded,
 AOF), an API restart under an SSE client, a NaN loss and a corrupt final checkpoint; and on a
-cluster of two "hosts": a frozen worker whose lease is taken over, Redis SIGKILLed mid-job, and
-what a process SIGKILLed between two writes leaves half done."""
+cluster of two "hosts": a frozen worker whose lease is taken over (a training job, a batch
+prediction job), Redis SIGKILLed mid-job, and what a process SIGKILLed between two writes leaves
+half done."""
 
 from __future__ import annotations
 
@@ -295,6 +296,60 @@ def test_a_frozen_worker_whose_lease_was_taken_over_changes_nothing(cluster: dic
     assert _job(client, job_id) == done
     assert _events(client, job_id) == events_when_done
     assert sorted(p.name for p in job_dir.iterdir()) == ["model.pt"]
+    assert stale.poll() is None and workers[owner_node].poll() is None
+
+
+def test_a_frozen_worker_mid_batch_prediction_changes_nothing_once_taken_over(cluster: dict) -> None:
+    """The same for a `predict` job (batch predictions): SIGSTOP the worker labelling a folder once
+    it has recorded a resume point; the other host takes the job over and goes on after that point.
+    SIGCONT the frozen one while the owner runs: it goes on writing its own working file until it
+    notices, yet the results hold every file exactly once, in order, and nothing it did reaches
+    the job, its events or its directory."""
+    from tests.e2e.test_batch_predict import _images_zip, _lines, _predict, _upload
+
+    client, procs, workers = cluster["client"], cluster["procs"], cluster["workers"]
+    trained = _train(cluster, 1)
+    assert wait_for_job(client, trained, TERMINAL, timeout=180)["status"] == "succeeded"
+    data, names = _images_zip(6000, seed=21, size=32)
+    dataset = _upload(client, data)
+    job_id = _predict(client, dataset["id"], trained, batch_size=1, top_k=3)["id"]
+
+    def under_way() -> dict | None:
+        job = _job(client, job_id)
+        done = job["progress"].get("images_done") or 0
+        return job if job["status"] == "running" and 0 < done < len(names) // 2 else None
+
+    first = wait_until(under_way, timeout=120, interval=0.02, what="a first recorded resume point")
+    stale_node = first["device"].split("/")[0]
+    owner_node = "h2" if stale_node == "h1" else "h1"
+    stale = workers[stale_node]
+    stale.send_signal(signal.SIGSTOP)
+    try:
+        wait_until(lambda: (j := _job(client, job_id))["attempts"] == 2 and j["device"] == f"{owner_node}/cpu"
+                           and j["status"] == "running" and j, timeout=60, what="the other host to take the job over")
+    finally:
+        stale.send_signal(signal.SIGCONT)
+    woke = _job(client, job_id)
+    assert woke["status"] == "running", "the owner had finished before the stale one woke: a longer folder"
+    done = wait_for_job(client, job_id, TERMINAL, timeout=180)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["attempts"] == 2 and done["device"] == f"{owner_node}/cpu", done
+    assert done["results"]["resumed_from_image"] >= first["progress"]["images_done"]
+    lines = _lines(client, job_id)
+    assert [line["file"] for line in lines] == names  # each file exactly once, in the job's order
+    assert all(len(line["predictions"]) == 3 for line in lines)
+
+    body = client.get(f"/jobs/{job_id}/results").content
+    events_when_done = _events(client, job_id)
+    wait_until(lambda: "lost its lease" in procs.log(stale), timeout=60, what="the stale worker to notice")
+    wait_until(lambda: any(d["id"] == f"{stale_node}/cpu" and d["status"] == "idle"
+                           for d in client.get("/devices").json()["devices"]), timeout=30, what="the stale one idle")
+    assert hashlib.sha256(body).hexdigest() == done["checkpoint"]["sha256"]
+    assert client.get(f"/jobs/{job_id}/results").content == body
+    assert _job(client, job_id) == done
+    assert _events(client, job_id) == events_when_done
+    job_dir = cluster["data_dir"] / "checkpoints" / job_id
+    assert sorted(p.name for p in job_dir.iterdir()) == ["results.jsonl"]
     assert stale.poll() is None and workers[owner_node].poll() is None
 
 
