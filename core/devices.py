@@ -43,14 +43,23 @@ return 0
 
 
 def liveness_reads(pipe: Any, device_ids: Sequence[str]) -> None:
-    """Queue, for each device, a read of its record and of its alive key (sync or async pipeline)."""
+    """Queue, for each device, a read of its record and of its alive key (sync or async pipeline).
+    The alive key's value is the holding worker process's instance token (`alive_instances`)."""
     for device_id in device_ids:
         pipe.get(keys.device_state(device_id))
-        pipe.exists(keys.device_alive(device_id))
+        pipe.get(keys.device_alive(device_id))
 
 
 # The statuses of a device whose worker takes jobs and predictions.
 SERVING = ("idle", "busy")
+
+
+def alive_instances(device_ids: Sequence[str], replies: Sequence[Any]) -> dict[str, str]:
+    """Device id → the instance token of the worker process holding it now, for the devices of
+    `liveness_reads`'s replies that are alive. A worker restarted on the same device has a new
+    token: what it did not finish of its predecessor's work is lost with that process."""
+    return {device_id: alive if isinstance(alive, str) else alive.decode()
+            for device_id, alive in zip(device_ids, replies[1::2], strict=True) if alive}
 
 
 def devices_from_replies(replies: Sequence[Any]) -> list[Device]:

@@ -8,6 +8,14 @@ arrive in one turn of the event loop go to Redis in one pipeline (`CoalescedScri
 worker's reply body is passed through as the HTTP body, not parsed and re-serialised (the
 messages are core/wire.py's).
 
+A worker that dies holding requests (SIGKILL, OOM, a lost host) does not answer them, and the
+ones still on its list would wait for a process that is not coming back: `PredictionClient`
+watches the requests in flight against the live workers (each device's alive key names the worker
+process holding it), and a request whose worker process is gone is taken back off its list and
+sent again to a live worker, keeping its id and deadline. Predictions are pure, so a request that
+ends up computed twice (its worker was only frozen) costs time, not correctness: the first answer
+wins and the other is dropped.
+
 A request may name an alias instead of a job (core/aliases.py): the name is resolved to a job id,
 and the script that queues the request first checks that the alias still points there (else the
 request is resolved again), so a request is answered by the one job it was queued for, and the
@@ -20,6 +28,7 @@ import asyncio
 import io
 import itertools
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -32,15 +41,20 @@ from redis.exceptions import NoScriptError, ResponseError
 from app.api.reply_inbox import ReplyInbox
 from core import keys
 from core.aliases import validate_alias_name
-from core.devices import SERVING, devices_from_replies, liveness_reads
-from core.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable, UnsupportedMedia
+from core.devices import SERVING, alive_instances, devices_from_replies, liveness_reads
+from core.errors import Conflict, InvalidInput, NotFound, TooLarge, TorchyardError, Unavailable, UnsupportedMedia
 from core.images import IMAGE_FORMATS, IMAGE_FORMATS_TEXT, OPENED_FORMATS
 from core.schemas import Device, JobStatus
 from core.storage import validate_id
-from core.wire import PredictRequest, WireImage
+from core.wire import PredictReply, PredictRequest, WireImage
+
+log = logging.getLogger(__name__)
 
 LIVE_CACHE_S = 0.5
 LIVE_READ_TIMEOUT_S = 5.0
+# How often the requests in flight are checked against the workers that hold them: a request whose
+# worker process is gone is sent again within this of the worker's heartbeat lapsing.
+WATCH_S = 1.0
 
 # Queue the request only if the job succeeded; return its status either way (nil: no such job).
 _QUEUE_IF_SUCCEEDED = """
@@ -163,6 +177,21 @@ class UploadedImage:
     data: bytes
 
 
+@dataclass(slots=True)
+class _InFlight:
+    """A queued request while its caller waits: what it takes to send it again."""
+
+    job_id: str | None
+    alias: str | None
+    images: list[UploadedImage]
+    top_k: int
+    request_id: str
+    deadline: float  # epoch s: kept when the request is sent again
+    answer: asyncio.Future[PredictReply]
+    holder: tuple[str, str] | None = None  # (device id, worker instance) whose list it went to; None: none yet
+    encoded: str = ""  # the message as queued there (LREM takes exactly it back)
+
+
 def check_image(image: UploadedImage, max_bytes: int, max_pixels: int) -> None:
     """Cheap gatekeeping from the header alone; the worker does the full decode."""
     if len(image.data) > max_bytes:
@@ -189,7 +218,10 @@ class PredictionClient:
         self.max_pixels = max_pixels
         self.max_images = max_images
         self._live: list[Device] = []
+        self._instances: dict[str, str] = {}  # live device id → the worker process holding it
         self._live_at = 0.0
+        self._in_flight: dict[str, _InFlight] = {}
+        self._watcher: asyncio.Task[None] | None = None
         self._live_reading: asyncio.Future[list[Device]] | None = None
         self._turn = itertools.count()
         self._scripts = CoalescedScripts(client)
@@ -198,6 +230,8 @@ class PredictionClient:
         self.inbox = ReplyInbox(client)
 
     async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
         await self.inbox.close()
 
     async def predict(self, job_id: str | None, images: list[UploadedImage], top_k: int, *,
@@ -218,28 +252,72 @@ class PredictionClient:
         for image in images:
             check_image(image, self.max_bytes, self.max_pixels)
         request_id, answer = self.inbox.expect(self.timeout_s)
+        flight = _InFlight(job_id, alias, images, top_k, request_id, time.time() + self.timeout_s, answer)
         try:
-            for _ in range(ALIAS_RESOLVE_TRIES):
-                if alias is not None:
-                    job_id = await self._resolve(alias)
-                assert job_id is not None
-                status, device = await self._queue(job_id, images, top_k, alias, request_id)
-                if status != _MOVED:
-                    break
-            else:
-                raise Unavailable(f"alias {alias} moved {ALIAS_RESOLVE_TRIES} times while this request was queued; "
-                                  f"retry")
-            self._check_status(job_id, status)
+            await self._send(flight)
+            self._in_flight[request_id] = flight
+            if self._watcher is None or self._watcher.done():
+                self._watcher = asyncio.get_running_loop().create_task(self._watch(), name="torchyard-predict-watch")
             try:
                 reply = await answer
             except TimeoutError:
                 self._live_at = 0.0  # look again next time: this worker may be gone
-                raise Unavailable(f"worker {device.worker} ({device.id}) did not answer within "
-                                  f"{self.timeout_s:g}s") from None
+                held = f"the worker of {flight.holder[0]}" if flight.holder else "no live worker"
+                raise Unavailable(f"{held} did not answer within {self.timeout_s:g}s") from None
         finally:
+            self._in_flight.pop(request_id, None)
             self.inbox.forget(request_id, answer)
         reply.raise_for_status()
         return reply.body.encode() if alias is None else _naming_alias(reply.body, alias)
+
+    async def _send(self, flight: _InFlight) -> None:
+        """Queue `flight` on a live worker (its alias resolved anew); 404, 409 or 503 when it cannot be."""
+        for _ in range(ALIAS_RESOLVE_TRIES):
+            if flight.alias is not None:
+                flight.job_id = await self._resolve(flight.alias)
+            assert flight.job_id is not None
+            status = await self._queue(flight)
+            if status != _MOVED:
+                break
+        else:
+            raise Unavailable(f"alias {flight.alias} moved {ALIAS_RESOLVE_TRIES} times while this request was "
+                              f"queued; retry")
+        self._check_status(flight.job_id, status)
+
+    async def _watch(self) -> None:
+        """While requests are in flight: every WATCH_S, send again those whose worker process is gone."""
+        while self._in_flight:
+            await asyncio.sleep(WATCH_S)
+            try:
+                await self._resend_orphans()
+            except Exception:  # Redis away: the inbox fails the waiting requests meanwhile
+                log.warning("checking the predictions in flight failed; retrying", exc_info=True)
+
+    async def _resend_orphans(self) -> None:
+        flights = [flight for flight in self._in_flight.values() if not flight.answer.done()]
+        if not flights:
+            return
+        live = await self._live_devices()
+        gone: dict[str, int] = {}
+        for flight in flights:
+            if flight.holder is not None and self._instances.get(flight.holder[0]) == flight.holder[1]:
+                continue  # its worker is alive: it is computing it, or will
+            if flight.holder is not None:
+                device_id = flight.holder[0]
+                # Not taken yet: no process must compute it later. Taken: it died with its worker.
+                await self.redis.lrem(keys.predict_queue(device_id), 1, flight.encoded)
+                flight.holder = None
+                gone[device_id] = gone.get(device_id, 0) + 1
+            if not live or flight.answer.done() or time.time() >= flight.deadline:
+                continue  # no worker now: the next round tries again, until the request's deadline
+            try:
+                await self._send(flight)
+            except TorchyardError as exc:  # the job was deleted meanwhile, ...: that is the answer now
+                if not flight.answer.done():
+                    flight.answer.set_exception(exc)
+        for device_id, count in gone.items():
+            log.warning("%d prediction request(s) held by the worker of %s, whose process is gone, sent again",
+                        count, device_id)
 
     async def _resolve(self, alias: str) -> str:
         job_id = await self.redis.hget(keys.ALIASES, alias)
@@ -247,28 +325,30 @@ class PredictionClient:
             raise NotFound(f"alias {alias} not found")
         return job_id
 
-    async def _queue(self, job_id: str, images: list[UploadedImage], top_k: int,
-                     alias: str | None, request_id: str) -> tuple[str | None, Device]:
+    async def _queue(self, flight: _InFlight) -> str | None:
         """Queue the request on a live device if the job succeeded (and the alias still names it):
-        (the job's status or _MOVED, the device)."""
+        the job's status or _MOVED. Records where it went in `flight`."""
+        job_id = flight.job_id
+        assert job_id is not None
         live = await self._live_devices()
         if not live:  # still say 404 / 409 first: they do not depend on a worker
             self._check_status(job_id, await self.redis.hget(keys.job(job_id), "status"))
             raise Unavailable("no live worker can serve predictions; start one with `torchyard worker`")
         device = self._pick_device(job_id, live)
-        now = time.time()
-        request = PredictRequest(job_id=job_id, top_k=top_k, reply_to=self.inbox.key, request_id=request_id,
-                                 queued_at=now,
-                                 deadline=now + self.timeout_s,
-                                 images=[WireImage(filename=i.filename, data=i.data) for i in images])
-        if alias is None:
+        request = PredictRequest(job_id=job_id, top_k=flight.top_k, reply_to=self.inbox.key,
+                                 request_id=flight.request_id, queued_at=time.time(), deadline=flight.deadline,
+                                 images=[WireImage(filename=i.filename, data=i.data) for i in flight.images])
+        encoded = request.encode()
+        if flight.alias is None:
             status = await self._scripts.run(self._queue_if_succeeded, [keys.job(job_id), keys.predict_queue(device.id)],
-                                             [JobStatus.succeeded.value, request.encode()])
+                                             [JobStatus.succeeded.value, encoded])
         else:
             status = await self._scripts.run(self._queue_if_alias_still_there,
                                              [keys.ALIASES, keys.job(job_id), keys.predict_queue(device.id)],
-                                             [alias, job_id, JobStatus.succeeded.value, request.encode()])
-        return status, device
+                                             [flight.alias, job_id, JobStatus.succeeded.value, encoded])
+        if status == JobStatus.succeeded.value:
+            flight.holder, flight.encoded = (device.id, self._instances.get(device.id, "")), encoded
+        return status
 
     @staticmethod
     def _check_status(job_id: str, status: str | None) -> None:
@@ -299,13 +379,17 @@ class PredictionClient:
         # Bounded: every request in the process waits on this one read, and a connection that
         # hangs (half-open, no socket timeout reached) must not hold them all; the next one reads anew.
         live: list[Device] = []
+        instances: dict[str, str] = {}
         async with asyncio.timeout(min(self.timeout_s, LIVE_READ_TIMEOUT_S)):
             ids = sorted(await self.redis.smembers(keys.DEVICES_INDEX))
             if ids:
                 pipe = self.redis.pipeline(transaction=False)
                 liveness_reads(pipe, ids)
-                live = [d for d in devices_from_replies(await pipe.execute()) if d.status in SERVING]
+                replies = await pipe.execute()
+                live = [d for d in devices_from_replies(replies) if d.status in SERVING]
+                instances = alive_instances(ids, replies)
         self._live, self._live_at = live, time.monotonic()
+        self._instances = {d.id: instances[d.id] for d in live if d.id in instances}
         return live
 
 

@@ -439,3 +439,61 @@ def test_what_a_dying_process_leaves_half_done_is_completed_by_the_workers(clust
                       timeout=60, what="a sweep to promote the dead owner's model.pt")
     assert hashlib.sha256(body).hexdigest() == digest
     assert sorted(p.name for p in paths.job_dir(orphan.id).iterdir()) == ["model.pt"]
+
+
+def test_predictions_held_by_a_killed_worker_are_answered_by_the_other(cluster: dict) -> None:
+    """Clients keep predicting with a model that one host holds; that host's worker is SIGKILLed
+    mid-stream, holding requests it had taken and with more still queued on its list (until its
+    heartbeat lapses, the API goes on sending there). Every request is answered 200 with its own
+    file, by the other host, none waits out the timeout, and nothing is left on the dead one's list."""
+    import redis
+
+    from core import keys
+
+    client, procs, workers = cluster["client"], cluster["procs"], cluster["workers"]
+    trained = _train(cluster, 1)
+    assert wait_for_job(client, trained, TERMINAL, timeout=180)["status"] == "succeeded"
+    warm = client.post("/predict", data={"job_id": trained}, files={"file": ("w.png", _pattern_png(1), "image/png")})
+    assert warm.status_code == 200, warm.text
+    holder = warm.json()["device"]  # it holds the model now: the API sends it every request
+    other = "h2/cpu" if holder == "h1/cpu" else "h1/cpu"
+    answers: list[tuple[int, str, str, float, float]] = []  # status, device, file, sent, answered
+    stop_at = [float("inf")]
+
+    def predict_until_stopped(n: int) -> None:
+        with httpx.Client(base_url=str(client.base_url), timeout=60) as own:
+            k = 0
+            while time.monotonic() < stop_at[0]:
+                name = f"c{n}-{k}.png"
+                sent = time.monotonic()
+                answer = own.post("/predict", data={"job_id": trained},
+                                  files={"file": (name, _pattern_png(k % 4), "image/png")})
+                body = answer.json()
+                answers.append((answer.status_code, body.get("device", ""),
+                                body["results"][0]["filename"] if answer.status_code == 200 else body["detail"],
+                                sent, time.monotonic()))
+                assert body.get("results", [{}])[0].get("filename", name) == name
+                k += 1
+
+    with concurrent.futures.ThreadPoolExecutor(8) as load:
+        running = [load.submit(predict_until_stopped, n) for n in range(4)]
+        wait_until(lambda: len(answers) >= 20, timeout=60, what="predictions under way")
+        node = holder.split("/")[0]
+        workers[node].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        stop_at[0] = killed_at + 1.0
+        time.sleep(0.5)  # its heartbeat has not lapsed yet: these go to its list, for nobody
+        running += [load.submit(predict_until_stopped, n) for n in range(4, 8)]
+        for done in running:
+            done.result()
+    try:
+        assert not [a for a in answers if a[0] != 200], [a for a in answers if a[0] != 200][:5]
+        across = [a for a in answers if a[3] < killed_at < a[4]]  # in flight when the worker died
+        after = [a for a in answers if a[3] > killed_at]
+        assert across and after and all(a[1] == other for a in across + after), (across, after)
+        heartbeat_ttl_s = 3  # tests/support.Processes
+        assert max(a[4] - a[3] for a in answers) < heartbeat_ttl_s + 5  # not the 30 s timeout
+        assert redis.Redis.from_url(cluster["url"]).llen(keys.predict_queue(holder)) == 0
+    finally:
+        workers[node].wait(10)
+        workers[node] = procs.worker("cpu", name=node, TORCHYARD_NODE_NAME=node)

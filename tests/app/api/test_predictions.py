@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -50,12 +51,13 @@ def _client(url: str, timeout_s: float = 1.0) -> PredictionClient:
                             max_images=4)
 
 
-def _register_device(sync: redis.Redis, device_id: str, loaded: list[str], status: str = "idle") -> None:
+def _register_device(sync: redis.Redis, device_id: str, loaded: list[str], status: str = "idle",
+                     instance: str = "instance") -> None:
     state = {"id": device_id, "type": "cpu", "index": None, "name": "cpu", "memory_total_bytes": 1,
              "memory_used_bytes": 0, "utilization_percent": None, "worker": f"cpu@{device_id}", "status": status,
              "current_job": None, "loaded_models": loaded, "last_heartbeat": "2026-01-01T00:00:00+00:00"}
     sync.set(keys.device_state(device_id), json.dumps(state))
-    sync.set(keys.device_alive(device_id), "instance", px=60_000)
+    sync.set(keys.device_alive(device_id), instance, px=60_000)
     sync.sadd(keys.DEVICES_INDEX, device_id)
 
 
@@ -126,6 +128,84 @@ def test_reply_passthrough_and_worker_choice(clean_redis_url: str) -> None:
         with pytest.raises(UnsupportedMedia, match="cannot decode"):
             await client.predict("donejob", [_image()], 3)
         await worker
+        await client.close()
+        await client.redis.aclose()
+
+    asyncio.run(scenario())
+
+
+def test_a_request_whose_worker_process_is_gone_is_sent_again(clean_redis_url: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three ways a worker holding a request goes away; each time the request is taken back off the
+    dead worker's list and answered by a live one, with its id and deadline unchanged."""
+    import app.api.predictions as predictions
+
+    monkeypatch.setattr(predictions, "WATCH_S", 0.1)
+    sync = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    sync.hset(keys.job("donejob"), "status", "succeeded")
+
+    def worker(device_id: str) -> PredictRequest:
+        """Play `device_id`'s worker: take a request and answer it."""
+        _, raw = sync.blpop([keys.predict_queue(device_id)], timeout=10)
+        request = PredictRequest.decode(raw)
+        sync.rpush(request.reply_to, f"{request.request_id} 200 " + json.dumps({"device": device_id}))
+        return request
+
+    async def predict(client: PredictionClient) -> dict:
+        return json.loads(await client.predict("donejob", [_image()], 3))
+
+    def queued(device_id: str) -> PredictRequest | None:
+        raw = sync.lindex(keys.predict_queue(device_id), 0)
+        return PredictRequest.decode(raw) if raw else None
+
+    async def until(predicate: Callable[[], object]) -> None:
+        for _ in range(1000):
+            if predicate():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("waited 10 s")
+
+    async def scenario() -> None:
+        client = _client(clean_redis_url, timeout_s=20)
+        loop = asyncio.get_running_loop()
+
+        # (1) Its worker took it and died (its alive key lapsed): sent to the other device.
+        _register_device(sync, "a/cpu", ["donejob"], instance="a-1")  # holds the model: chosen first
+        _register_device(sync, "b/cpu", [], instance="b-1")
+        pending = asyncio.ensure_future(predict(client))
+        _, raw = await loop.run_in_executor(None, lambda: sync.blpop([keys.predict_queue("a/cpu")], timeout=10))
+        first = PredictRequest.decode(raw)  # taken by a/cpu's worker, which now dies with it
+        sync.delete(keys.device_alive("a/cpu"))
+        again = await loop.run_in_executor(None, worker, "b/cpu")
+        assert (await pending)["device"] == "b/cpu"
+        assert (again.request_id, again.deadline) == (first.request_id, first.deadline)
+
+        # (2) Its worker died before taking it, and a fresh worker process holds the device now: the
+        # dead one's copy is taken back off the list (nobody computes it) and a new one sent, which
+        # the fresh process (its device holds the model) answers.
+        _register_device(sync, "a/cpu", ["donejob"], instance="a-2")
+        sync.delete(keys.device_alive("b/cpu"))
+        await asyncio.sleep(predictions.LIVE_CACHE_S)
+        pending = asyncio.ensure_future(predict(client))
+        await until(lambda: queued("a/cpu"))
+        original = queued("a/cpu")
+        assert original is not None
+        sync.set(keys.device_alive("a/cpu"), "a-3", px=60_000)  # the restart
+        await until(lambda: (q := queued("a/cpu")) is not None and q.queued_at > original.queued_at)
+        served = await loop.run_in_executor(None, worker, "a/cpu")
+        assert (await pending)["device"] == "a/cpu"
+        assert (served.request_id, served.deadline) == (original.request_id, original.deadline)
+        assert sync.llen(keys.predict_queue("a/cpu")) == 0  # the first copy is gone: taken back
+
+        # (3) No live worker for a while: the request waits (no 503) and goes to the first worker back.
+        pending = asyncio.ensure_future(predict(client))
+        await until(lambda: queued("a/cpu"))
+        sync.delete(keys.device_alive("a/cpu"))
+        await asyncio.sleep(5 * predictions.WATCH_S + predictions.LIVE_CACHE_S)
+        assert not pending.done() and sync.llen(keys.predict_queue("a/cpu")) == 0
+        _register_device(sync, "b/cpu", [], instance="b-2")
+        await loop.run_in_executor(None, worker, "b/cpu")
+        assert (await pending)["device"] == "b/cpu"
         await client.close()
         await client.redis.aclose()
 

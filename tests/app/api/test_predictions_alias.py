@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import redis
 
-from app.api.predictions import _MOVED, PredictionClient
+from app.api.predictions import _MOVED, PredictionClient, _InFlight
 from core import keys
 from core.redis import connect_async
 from core.wire import PredictRequest
@@ -33,8 +34,10 @@ def test_a_request_is_queued_for_the_job_the_alias_names_at_that_moment(clean_re
         client = PredictionClient(connect_async(clean_redis_url), timeout_s=5, max_bytes=1 << 20,
                                   max_pixels=10_000, max_images=4)
         # resolved to jobaaaa a moment ago, but the alias moved to jobbbbb since: nothing is queued
-        status, _ = await client._queue("jobaaaa", [_image()], 3, "pets", "some-request")
-        assert status == _MOVED and await client.redis.llen(keys.predict_queue("n/cpu")) == 0
+        stale = _InFlight("jobaaaa", "pets", [_image()], 3, "some-request", time.time() + 5,
+                          asyncio.get_running_loop().create_future())
+        assert await client._queue(stale) == _MOVED and await client.redis.llen(keys.predict_queue("n/cpu")) == 0
+        assert stale.holder is None
         worker = asyncio.get_running_loop().run_in_executor(None, fake_worker)
         answer = json.loads(await client.predict(None, [_image()], 3, alias="pets"))
         await worker
