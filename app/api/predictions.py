@@ -25,6 +25,7 @@ alias's move and the request's queueing are ordered by Redis itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import itertools
 import json
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 LIVE_CACHE_S = 0.5
 LIVE_READ_TIMEOUT_S = 5.0
 # How often the requests in flight are checked against the workers that hold them: a request whose
-# worker process is gone is sent again within this of the worker's heartbeat lapsing.
+# worker process is gone is sent again within this (plus LIVE_CACHE_S) of the worker's heartbeat lapsing.
 WATCH_S = 1.0
 
 # Queue the request only if the job succeeded; return its status either way (nil: no such job).
@@ -78,6 +79,10 @@ end
 return status
 """
 ALIAS_RESOLVE_TRIES = 5
+
+
+class NoLiveWorker(Unavailable):
+    """No worker is alive to take a request: a 503 for a new request, a wait for one sent again."""
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,15 @@ class _InFlight:
     deadline: float  # epoch s: kept when the request is sent again
     answer: asyncio.Future[PredictReply]
     holder: tuple[str, str] | None = None  # (device id, worker instance) whose list it went to; None: none yet
-    encoded: str = ""  # the message as queued there (LREM takes exactly it back)
+    queued_at: float = 0.0  # of the copy on the holder's list: with the rest, it rebuilds that exact message
+
+    def message(self, reply_to: str) -> str:
+        """The request as queued on the holder's list (what LREM takes back). Rebuilt rather than
+        kept: a request in flight holds its images once, not also their base64 copy."""
+        assert self.job_id is not None
+        return PredictRequest(job_id=self.job_id, top_k=self.top_k, reply_to=reply_to, request_id=self.request_id,
+                              queued_at=self.queued_at, deadline=self.deadline,
+                              images=[WireImage(filename=i.filename, data=i.data) for i in self.images]).encode()
 
 
 def check_image(image: UploadedImage, max_bytes: int, max_pixels: int) -> None:
@@ -230,8 +243,11 @@ class PredictionClient:
         self.inbox = ReplyInbox(client)
 
     async def close(self) -> None:
-        if self._watcher is not None:
-            self._watcher.cancel()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
         await self.inbox.close()
 
     async def predict(self, job_id: str | None, images: list[UploadedImage], top_k: int, *,
@@ -262,8 +278,10 @@ class PredictionClient:
                 reply = await answer
             except TimeoutError:
                 self._live_at = 0.0  # look again next time: this worker may be gone
-                held = f"the worker of {flight.holder[0]}" if flight.holder else "no live worker"
-                raise Unavailable(f"{held} did not answer within {self.timeout_s:g}s") from None
+                if flight.holder is None:  # its worker went away, and no other came back in time
+                    raise Unavailable(f"no worker was alive to take the request again within {self.timeout_s:g}s "
+                                      f"(its worker went away)") from None
+                raise Unavailable(f"the worker of {flight.holder[0]} did not answer within {self.timeout_s:g}s") from None
         finally:
             self._in_flight.pop(request_id, None)
             self.inbox.forget(request_id, answer)
@@ -304,17 +322,23 @@ class PredictionClient:
                 continue  # its worker is alive: it is computing it, or will
             if flight.holder is not None:
                 device_id = flight.holder[0]
-                # Not taken yet: no process must compute it later. Taken: it died with its worker.
-                await self.redis.lrem(keys.predict_queue(device_id), 1, flight.encoded)
+                # Not taken yet: no process computes it later. Taken: it died with its worker.
+                await self.redis.lrem(keys.predict_queue(device_id), 1, flight.message(self.inbox.key))
                 flight.holder = None
                 gone[device_id] = gone.get(device_id, 0) + 1
             if not live or flight.answer.done() or time.time() >= flight.deadline:
                 continue  # no worker now: the next round tries again, until the request's deadline
             try:
                 await self._send(flight)
+            except NoLiveWorker:
+                continue  # they went away since this round began: the next round tries again
             except TorchyardError as exc:  # the job was deleted meanwhile, ...: that is the answer now
                 if not flight.answer.done():
                     flight.answer.set_exception(exc)
+                continue
+            if flight.request_id not in self._in_flight and flight.holder is not None:
+                # Its caller went away (answered by the first copy, or gone) while this one was sent.
+                await self.redis.lrem(keys.predict_queue(flight.holder[0]), 1, flight.message(self.inbox.key))
         for device_id, count in gone.items():
             log.warning("%d prediction request(s) held by the worker of %s, whose process is gone, sent again",
                         count, device_id)
@@ -333,10 +357,11 @@ class PredictionClient:
         live = await self._live_devices()
         if not live:  # still say 404 / 409 first: they do not depend on a worker
             self._check_status(job_id, await self.redis.hget(keys.job(job_id), "status"))
-            raise Unavailable("no live worker can serve predictions; start one with `torchyard worker`")
+            raise NoLiveWorker("no live worker can serve predictions; start one with `torchyard worker`")
         device = self._pick_device(job_id, live)
+        queued_at = time.time()
         request = PredictRequest(job_id=job_id, top_k=flight.top_k, reply_to=self.inbox.key,
-                                 request_id=flight.request_id, queued_at=time.time(), deadline=flight.deadline,
+                                 request_id=flight.request_id, queued_at=queued_at, deadline=flight.deadline,
                                  images=[WireImage(filename=i.filename, data=i.data) for i in flight.images])
         encoded = request.encode()
         if flight.alias is None:
@@ -347,7 +372,7 @@ class PredictionClient:
                                              [keys.ALIASES, keys.job(job_id), keys.predict_queue(device.id)],
                                              [flight.alias, job_id, JobStatus.succeeded.value, encoded])
         if status == JobStatus.succeeded.value:
-            flight.holder, flight.encoded = (device.id, self._instances.get(device.id, "")), encoded
+            flight.holder, flight.queued_at = (device.id, self._instances.get(device.id, "")), queued_at
         return status
 
     @staticmethod

@@ -442,10 +442,11 @@ def test_what_a_dying_process_leaves_half_done_is_completed_by_the_workers(clust
 
 
 def test_predictions_held_by_a_killed_worker_are_answered_by_the_other(cluster: dict) -> None:
-    """Clients keep predicting with a model that one host holds; that host's worker is SIGKILLed
-    mid-stream, holding requests it had taken and with more still queued on its list (until its
-    heartbeat lapses, the API goes on sending there). Every request is answered 200 with its own
-    file, by the other host, none waits out the timeout, and nothing is left on the dead one's list."""
+    """Clients keep predicting; the worker that answered the first request (it holds the model, so
+    the API prefers it) is SIGKILLed mid-stream, holding requests it had taken and with more still
+    queued on its list (until its heartbeat lapses, the API goes on sending there). Every request is
+    answered 200 with its own file, those sent after the kill by the other host, none waits out the
+    timeout, and nothing is left on the dead one's list."""
     import redis
 
     from core import keys
@@ -455,7 +456,7 @@ def test_predictions_held_by_a_killed_worker_are_answered_by_the_other(cluster: 
     assert wait_for_job(client, trained, TERMINAL, timeout=180)["status"] == "succeeded"
     warm = client.post("/predict", data={"job_id": trained}, files={"file": ("w.png", _pattern_png(1), "image/png")})
     assert warm.status_code == 200, warm.text
-    holder = warm.json()["device"]  # it holds the model now: the API sends it every request
+    holder = warm.json()["device"]  # it holds the model now: the API prefers it
     other = "h2/cpu" if holder == "h1/cpu" else "h1/cpu"
     answers: list[tuple[int, str, str, float, float]] = []  # status, device, file, sent, answered
     stop_at = [float("inf")]
@@ -488,11 +489,14 @@ def test_predictions_held_by_a_killed_worker_are_answered_by_the_other(cluster: 
             done.result()
     try:
         assert not [a for a in answers if a[0] != 200], [a for a in answers if a[0] != 200][:5]
-        across = [a for a in answers if a[3] < killed_at < a[4]]  # in flight when the worker died
+        # Those in flight when the worker died were answered by it just before (their replies on their
+        # way) or by the other host; some sent after it died went to its list (its heartbeat had not
+        # lapsed yet) and waited to be sent again.
         after = [a for a in answers if a[3] > killed_at]
-        assert across and after and all(a[1] == other for a in across + after), (across, after)
+        assert after and all(a[1] == other for a in after), after
+        assert any(a[4] - a[3] > 1.0 for a in after), after
         heartbeat_ttl_s = 3  # tests/support.Processes
-        assert max(a[4] - a[3] for a in answers) < heartbeat_ttl_s + 5  # not the 30 s timeout
+        assert max(a[4] - a[3] for a in answers) < heartbeat_ttl_s + 15  # not the 30 s timeout
         assert redis.Redis.from_url(cluster["url"]).llen(keys.predict_queue(holder)) == 0
     finally:
         workers[node].wait(10)

@@ -136,8 +136,8 @@ def test_reply_passthrough_and_worker_choice(clean_redis_url: str) -> None:
 
 def test_a_request_whose_worker_process_is_gone_is_sent_again(clean_redis_url: str,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three ways a worker holding a request goes away; each time the request is taken back off the
-    dead worker's list and answered by a live one, with its id and deadline unchanged."""
+    """Four ways a worker holding a request goes away; each time the request is taken back off that
+    worker's list and answered by a live one, with its id and deadline unchanged."""
     import app.api.predictions as predictions
 
     monkeypatch.setattr(predictions, "WATCH_S", 0.1)
@@ -201,11 +201,21 @@ def test_a_request_whose_worker_process_is_gone_is_sent_again(clean_redis_url: s
         pending = asyncio.ensure_future(predict(client))
         await until(lambda: queued("a/cpu"))
         sync.delete(keys.device_alive("a/cpu"))
-        await asyncio.sleep(5 * predictions.WATCH_S + predictions.LIVE_CACHE_S)
-        assert not pending.done() and sync.llen(keys.predict_queue("a/cpu")) == 0
+        await until(lambda: sync.llen(keys.predict_queue("a/cpu")) == 0)  # taken back
+        await asyncio.sleep(3 * predictions.WATCH_S)  # rounds with nobody to send it to
+        assert not pending.done()
         _register_device(sync, "b/cpu", [], instance="b-2")
         await loop.run_in_executor(None, worker, "b/cpu")
         assert (await pending)["device"] == "b/cpu"
+
+        # (4) Its worker's device broke (the worker is alive, restarting: it serves no more): sent to b.
+        _register_device(sync, "a/cpu", ["donejob"], instance="a-5")
+        await asyncio.sleep(predictions.LIVE_CACHE_S)
+        pending = asyncio.ensure_future(predict(client))
+        await until(lambda: queued("a/cpu"))
+        _register_device(sync, "a/cpu", ["donejob"], status="broken", instance="a-5")
+        await loop.run_in_executor(None, worker, "b/cpu")
+        assert (await pending)["device"] == "b/cpu" and sync.llen(keys.predict_queue("a/cpu")) == 0
         await client.close()
         await client.redis.aclose()
 
