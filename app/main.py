@@ -81,6 +81,7 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.services = Services.build(settings)
+        app.state.services.predictions.on_orphaned = app.state.metrics.predict_orphaned.inc
         cleanup = asyncio.create_task(_cleanup_forever(app.state.services.retention, settings.cleanup_interval_s))
         # What is loaded by now lives as long as the process: keep it out of the collector's full
         # passes, which otherwise scan it all and stalled every request in flight ~200 ms each time.

@@ -192,6 +192,9 @@ class Metrics:
         self.predict_latency = Histogram("torchyard_predict_latency_seconds",
                                          "POST /predict round trip in the API, successful calls",
                                          buckets=LATENCY_BUCKETS, registry=own)
+        self.predict_orphaned = Counter("torchyard_predict_orphaned",
+                                        "POST /predict requests whose worker process went away before answering; "
+                                        "each is sent again to a live worker", registry=own)
         if multiprocess is not None:
             MultiProcessCollector(self.registry, path=str(multiprocess))
 

@@ -31,6 +31,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,6 +236,7 @@ class PredictionClient:
         self._live_at = 0.0
         self._in_flight: dict[str, _InFlight] = {}
         self._watcher: asyncio.Task[None] | None = None
+        self.on_orphaned: Callable[[float], None] = lambda count: None  # the app counts them (/metrics)
         self._live_reading: asyncio.Future[list[Device]] | None = None
         self._turn = itertools.count()
         self._scripts = CoalescedScripts(client)
@@ -340,6 +342,7 @@ class PredictionClient:
                 # Its caller went away (answered by the first copy, or gone) while this one was sent.
                 await self.redis.lrem(keys.predict_queue(flight.holder[0]), 1, flight.message(self.inbox.key))
         for device_id, count in gone.items():
+            self.on_orphaned(count)
             log.warning("%d prediction request(s) held by the worker of %s, whose process is gone, sent again",
                         count, device_id)
 

@@ -11,6 +11,7 @@ import concurrent.futures
 import hashlib
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -498,6 +499,9 @@ def test_predictions_held_by_a_killed_worker_are_answered_by_the_other(cluster: 
         heartbeat_ttl_s = 3  # tests/support.Processes
         assert max(a[4] - a[3] for a in answers) < heartbeat_ttl_s + 15  # not the 30 s timeout
         assert redis.Redis.from_url(cluster["url"]).llen(keys.predict_queue(holder)) == 0
+        scrape = client.get("/metrics").text
+        orphaned = float(re.search(r"^torchyard_predict_orphaned_total (\S+)$", scrape, re.M).group(1))
+        assert orphaned >= 1
     finally:
         workers[node].wait(10)
         workers[node] = procs.worker("cpu", name=node, TORCHYARD_NODE_NAME=node)

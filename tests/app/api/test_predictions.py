@@ -165,8 +165,11 @@ def test_a_request_whose_worker_process_is_gone_is_sent_again(clean_redis_url: s
             await asyncio.sleep(0.01)
         raise AssertionError("waited 10 s")
 
+    orphaned: list[float] = []
+
     async def scenario() -> None:
         client = _client(clean_redis_url, timeout_s=20)
+        client.on_orphaned = orphaned.append
         loop = asyncio.get_running_loop()
 
         # (1) Its worker took it and died (its alive key lapsed): sent to the other device.
@@ -216,6 +219,7 @@ def test_a_request_whose_worker_process_is_gone_is_sent_again(clean_redis_url: s
         _register_device(sync, "a/cpu", ["donejob"], status="broken", instance="a-5")
         await loop.run_in_executor(None, worker, "b/cpu")
         assert (await pending)["device"] == "b/cpu" and sync.llen(keys.predict_queue("a/cpu")) == 0
+        assert sum(orphaned) == 4  # what /metrics counts: one request taken back in each case
         await client.close()
         await client.redis.aclose()
 
