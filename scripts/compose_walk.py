@@ -42,9 +42,16 @@ from PIL import Image, ImageDraw
 
 CLASSES = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (40, 60, 230)}
 TERMINAL = {"succeeded", "failed", "cancelled"}
-# cifar_net on the built-in `fake` dataset at batch size 4: ~3 s an epoch on 2 CPU cores, long
-# enough to land a fault in the middle of an epoch, short enough for the whole run.
-FAULT_JOB = {"model": "cifar_net", "dataset": "fake", "epochs": 3, "batch_size": 4, "seed": 7}
+# cifar_net on the built-in `fake` dataset at batch size 1: long enough to land a fault in the middle
+# of an epoch, short enough for the whole run. Sized by the per-step cost, which dominates at tiny
+# batches: at batch size 4 an epoch took ~3 s on this 2-core host one afternoon and 0.76 s on a
+# faster one later the same day, under the trainer's 0.5 s progress interval plus the probe's poll,
+# so no mid-epoch progress was ever seen; batch size 1 makes it about three times longer.
+FAULT_JOB = {"model": "cifar_net", "dataset": "fake", "epochs": 3, "batch_size": 1, "seed": 7}
+
+
+class JobEndedEarly(Exception):
+    """The job a fault was meant to land in finished first: waiting on is pointless."""
 
 
 class StepFailed(Exception):
@@ -175,7 +182,9 @@ def wait_mid_epoch(stack: Stack, job_id: str, min_epoch: int = 2) -> dict:
 
     def probe() -> dict | bool:
         job = stack.job(job_id)
-        check(job["status"] in ("queued", "running"), f"job {job_id} ended early: {job['status']} {job['error']}")
+        if job["status"] not in ("queued", "running"):
+            raise JobEndedEarly(f"job {job_id} ended before a fault could land inside epoch {min_epoch}: "
+                                f"{job['status']} {job['error']}")
         p = job["progress"]
         inside = p["steps"] and p["steps"] * 0.1 <= p["step"] <= p["steps"] * 0.6
         return job if job["status"] == "running" and p["epoch"] >= min_epoch and inside else False
@@ -396,7 +405,7 @@ def main() -> int:
             DRILLS[name](stack, out)
             out["timings"][name] = round(time.monotonic() - t0, 1)
             print(f"  ok ({out['timings'][name]}s)", flush=True)
-    except StepFailed as exc:
+    except (StepFailed, JobEndedEarly) as exc:
         print(f"\nFAILED in `{name}`: {exc}", file=sys.stderr)
         out["failed"] = {"drill": name, "error": str(exc)}
         return 1
