@@ -195,11 +195,12 @@ class _InFlight:
     deadline: float  # epoch s: kept when the request is sent again
     answer: asyncio.Future[PredictReply]
     holder: tuple[str, str] | None = None  # (device id, worker instance) whose list it went to; None: none yet
-    queued_at: float = 0.0  # of the copy on the holder's list: with the rest, it rebuilds that exact message
+    queued_at: float = 0.0  # of its last copy sent: with the rest, it rebuilds that exact message
 
     def message(self, reply_to: str) -> str:
-        """The request as queued on the holder's list (what LREM takes back). Rebuilt rather than
-        kept: a request in flight holds its images once, not also their base64 copy."""
+        """The request as queued (`core/wire.PredictRequest`), also what LREM takes back off the
+        holder's list: rebuilt rather than kept, so a request in flight holds its images once, not
+        also their base64 copy."""
         assert self.job_id is not None
         return PredictRequest(job_id=self.job_id, top_k=self.top_k, reply_to=reply_to, request_id=self.request_id,
                               queued_at=self.queued_at, deadline=self.deadline,
@@ -362,11 +363,8 @@ class PredictionClient:
             self._check_status(job_id, await self.redis.hget(keys.job(job_id), "status"))
             raise NoLiveWorker("no live worker can serve predictions; start one with `torchyard worker`")
         device = self._pick_device(job_id, live)
-        queued_at = time.time()
-        request = PredictRequest(job_id=job_id, top_k=flight.top_k, reply_to=self.inbox.key,
-                                 request_id=flight.request_id, queued_at=queued_at, deadline=flight.deadline,
-                                 images=[WireImage(filename=i.filename, data=i.data) for i in flight.images])
-        encoded = request.encode()
+        flight.queued_at = time.time()
+        encoded = flight.message(self.inbox.key)
         if flight.alias is None:
             status = await self._scripts.run(self._queue_if_succeeded, [keys.job(job_id), keys.predict_queue(device.id)],
                                              [JobStatus.succeeded.value, encoded])
@@ -375,7 +373,7 @@ class PredictionClient:
                                              [keys.ALIASES, keys.job(job_id), keys.predict_queue(device.id)],
                                              [flight.alias, job_id, JobStatus.succeeded.value, encoded])
         if status == JobStatus.succeeded.value:
-            flight.holder, flight.queued_at = (device.id, self._instances.get(device.id, "")), queued_at
+            flight.holder = (device.id, self._instances.get(device.id, ""))
         return status
 
     @staticmethod

@@ -269,32 +269,46 @@ def _ran_once(client: httpx.Client, job: dict, epochs: int) -> None:
     assert [data["status"] for kind, data in events if kind == "status" and data["status"] in TERMINAL] == [job["status"]]
 
 
-def test_a_frozen_worker_whose_lease_was_taken_over_changes_nothing(cluster: dict) -> None:
-    """SIGSTOP the worker running a job after its first recorded epoch: the other host sweeps the
-    lease and resumes the job from the state the frozen one recorded. SIGCONT the frozen one while
-    the new owner runs: it must notice, and change nothing a user sees, then or later."""
-    client, procs, workers = cluster["client"], cluster["procs"], cluster["workers"]
-    epochs = 8
-    job_id = _train_long(cluster, epochs)
-    first = wait_until(lambda: (j := _job(client, job_id))["status"] == "running" and len(j["metrics"]) >= 1 and j,
-                       timeout=120, what="a first recorded epoch")
-    stale_node = first["device"].split("/")[0]
+def _freeze_until_taken_over(cluster: dict, job_id: str, device: str) -> tuple[str, str]:
+    """SIGSTOP the worker running `job_id` on `device` until the other host has taken the job over,
+    then SIGCONT it while the owner runs: (stale node, owner node)."""
+    client, workers = cluster["client"], cluster["workers"]
+    stale_node = device.split("/")[0]
     owner_node = "h2" if stale_node == "h1" else "h1"
-    stale = workers[stale_node]
-    stale.send_signal(signal.SIGSTOP)
+    workers[stale_node].send_signal(signal.SIGSTOP)
     try:
         wait_until(lambda: (j := _job(client, job_id))["attempts"] == 2 and j["device"] == f"{owner_node}/cpu"
                            and j["status"] == "running" and j, timeout=60, what="the other host to take the job over")
     finally:
-        stale.send_signal(signal.SIGCONT)
+        workers[stale_node].send_signal(signal.SIGCONT)
+    return stale_node, owner_node
+
+
+def _wait_stale_settled(cluster: dict, stale_node: str) -> None:
+    """The woken worker has noticed it lost the lease and is idle again."""
+    client, stale = cluster["client"], cluster["workers"][stale_node]
+    wait_until(lambda: "lost its lease" in cluster["procs"].log(stale), timeout=60, what="the stale worker to notice")
+    wait_until(lambda: any(d["id"] == f"{stale_node}/cpu" and d["status"] == "idle"
+                           for d in client.get("/devices").json()["devices"]), timeout=30, what="the stale one idle")
+
+
+def test_a_frozen_worker_whose_lease_was_taken_over_changes_nothing(cluster: dict) -> None:
+    """SIGSTOP the worker running a job after its first recorded epoch: the other host sweeps the
+    lease and resumes the job from the state the frozen one recorded. SIGCONT the frozen one while
+    the new owner runs: it must notice, and change nothing a user sees, then or later."""
+    client, workers = cluster["client"], cluster["workers"]
+    epochs = 8
+    job_id = _train_long(cluster, epochs)
+    first = wait_until(lambda: (j := _job(client, job_id))["status"] == "running" and len(j["metrics"]) >= 1 and j,
+                       timeout=120, what="a first recorded epoch")
+    stale_node, owner_node = _freeze_until_taken_over(cluster, job_id, first["device"])
+    stale = workers[stale_node]
     done = wait_for_job(client, job_id, TERMINAL, timeout=180)
     assert done["status"] == "succeeded", done["error"]
     assert done["attempts"] == 2 and done["device"] == f"{owner_node}/cpu" and done["resumed_from_epoch"] >= 1
     _ran_once(client, done, epochs)
     events_when_done = _events(client, job_id)
-    wait_until(lambda: "lost its lease" in procs.log(stale), timeout=60, what="the stale worker to notice")
-    wait_until(lambda: any(d["id"] == f"{stale_node}/cpu" and d["status"] == "idle"
-                           for d in client.get("/devices").json()["devices"]), timeout=30, what="the stale one idle")
+    _wait_stale_settled(cluster, stale_node)
 
     job_dir = cluster["data_dir"] / "checkpoints" / job_id
     body = client.get(f"/jobs/{job_id}/checkpoint").content
@@ -316,7 +330,7 @@ def test_a_frozen_worker_mid_batch_prediction_changes_nothing_once_taken_over(cl
     the job, its events or its directory."""
     from tests.e2e.test_batch_predict import _images_zip, _lines, _predict, _upload
 
-    client, procs, workers = cluster["client"], cluster["procs"], cluster["workers"]
+    client, workers = cluster["client"], cluster["workers"]
     trained = _train(cluster, 1)
     assert wait_for_job(client, trained, TERMINAL, timeout=180)["status"] == "succeeded"
     data, names = _images_zip(6000, seed=21, size=32)
@@ -329,15 +343,8 @@ def test_a_frozen_worker_mid_batch_prediction_changes_nothing_once_taken_over(cl
         return job if job["status"] == "running" and 0 < done < len(names) // 2 else None
 
     first = wait_until(under_way, timeout=120, interval=0.02, what="a first recorded resume point")
-    stale_node = first["device"].split("/")[0]
-    owner_node = "h2" if stale_node == "h1" else "h1"
+    stale_node, owner_node = _freeze_until_taken_over(cluster, job_id, first["device"])
     stale = workers[stale_node]
-    stale.send_signal(signal.SIGSTOP)
-    try:
-        wait_until(lambda: (j := _job(client, job_id))["attempts"] == 2 and j["device"] == f"{owner_node}/cpu"
-                           and j["status"] == "running" and j, timeout=60, what="the other host to take the job over")
-    finally:
-        stale.send_signal(signal.SIGCONT)
     woke = _job(client, job_id)
     assert woke["status"] == "running", "the owner had finished before the stale one woke: a longer folder"
     done = wait_for_job(client, job_id, TERMINAL, timeout=180)
@@ -350,9 +357,7 @@ def test_a_frozen_worker_mid_batch_prediction_changes_nothing_once_taken_over(cl
 
     body = client.get(f"/jobs/{job_id}/results").content
     events_when_done = _events(client, job_id)
-    wait_until(lambda: "lost its lease" in procs.log(stale), timeout=60, what="the stale worker to notice")
-    wait_until(lambda: any(d["id"] == f"{stale_node}/cpu" and d["status"] == "idle"
-                           for d in client.get("/devices").json()["devices"]), timeout=30, what="the stale one idle")
+    _wait_stale_settled(cluster, stale_node)
     assert hashlib.sha256(body).hexdigest() == done["checkpoint"]["sha256"]
     assert client.get(f"/jobs/{job_id}/results").content == body
     assert _job(client, job_id) == done
