@@ -7,7 +7,8 @@ kernels already queued, not for the job.
 
 Three stages, so that the thread that feeds the device does nothing else:
 - the intake thread takes requests off the list, decides when a batch is complete
-  (worker/batching.BatchWindow) and has its images decoded by the decode pool, in parallel;
+  (worker/batching.BatchWindow) and decodes its images, split over the decode pool once they
+  cost enough for threads to pay (`DecodeSplit`);
 - the device thread (`torchyard-inference`) stacks the ready arrays into a staging buffer,
   copies them to the device (pinned, asynchronous, padded to a bucketed size on a GPU: see
   worker/batching.py) and runs the forward, a traced graph that holds no GIL while it runs
@@ -58,7 +59,7 @@ from worker.preprocess import apply_preprocessing
 log = logging.getLogger(__name__)
 
 POLL_S = 0.001  # the longest sleep between two polls of the list while a batch fills
-POLL_MIN_S = 0.0002  # while a batch waits for the device
+POLL_MIN_S = 0.0002  # while a batch waits for the device, or while requests are arriving
 INLINE_REPLY_IMAGES = 4  # a batch this small is answered by the device thread itself when no batch waits
 DEVICE_POLL_S = 0.05  # how often an idle device thread looks whether a job started (it then leaves the cores)
 HIGH_PRIORITY = -1  # torch.cuda.Stream: lower is higher; out-of-range values clamp to the highest
@@ -121,6 +122,40 @@ def decode_image(data: bytes, meta: ModelMeta, max_pixels: int) -> np.ndarray:
         raise BadImage(f"cannot decode image: {exc}") from exc
 
 
+class DecodeSplit:
+    """Over how many threads a batch's images are decoded: one while they are cheap, the pool once
+    they are not.
+
+    Pillow releases the GIL only inside its decoder, and a small image is mostly Python around
+    that call, so two threads decoding small images mostly wait for each other. Measured on this
+    2-core host, wall µs per image for 32 images on one thread against two: 32×32 PNG 23-37
+    against 31-43, 32×32 JPEG 48 against 61, 48×48 PNG of noise 48 against 58; and the other way
+    for 48×48 PNG 86 against 55, 64×64 JPEG 101 against 85, 128×128 JPEG 150 against 97. The
+    encoded size does not tell them apart (the 48×48 PNG of noise is the largest file and among
+    the cheapest to decode), so the intake thread times its own share in CPU time (which waits
+    for the GIL do not inflate) and the split follows a running average of that."""
+
+    POOL_FROM_S = 60e-6  # an image's decode CPU from which the pool pays: between 48 and 86 µs above
+    WEIGHT = 0.2  # of the newest batch in the running average
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self.image_s = 0.0  # running average of one image's decode CPU; 0 until a first batch
+
+    def chunks(self, images: int) -> int:
+        """How many chunks (threads) a batch of `images` is decoded in."""
+        if images <= 1 or self.image_s < self.POOL_FROM_S:
+            return 1
+        return min(self.threads, images)
+
+    def observe(self, cpu_s: float, images: int) -> None:
+        """The intake thread's share of a batch: `images` decoded in `cpu_s` of its CPU time."""
+        if images <= 0:
+            return
+        one = cpu_s / images
+        self.image_s = one if self.image_s == 0.0 else self.image_s + self.WEIGHT * (one - self.image_s)
+
+
 @dataclass
 class PreparedGroup:
     """One model's share of a batch, decoded and ready for the device thread."""
@@ -147,6 +182,7 @@ class InferenceServer:
         self.forward_threads = ForwardThreads(cpu_threads or usable_cores(), every_model=cpu_threads is not None)
         self.job_running = job_running or (lambda: False)
         self.decode_threads = decode_threads or min(4, usable_cores())
+        self.decode_split = DecodeSplit(self.decode_threads)
         # Padding to bucketed sizes pays on a GPU (cuDNN tunes per shape) and costs on a CPU; the
         # tests turn it on for the CPU to run the same path.
         self.pad_to_buckets = device.kind == "cuda" if pad_to_buckets is None else pad_to_buckets
@@ -248,8 +284,10 @@ class InferenceServer:
             return []
         # Poll rather than BLPOP: an idle Redis wakes for blocking timeouts only every 1/hz (100 ms
         # by default), far coarser than a batching window of a few milliseconds. Each poll is a
-        # Redis call for the worker and for Redis: at most one a millisecond.
+        # Redis call for the worker and for Redis: at most one a millisecond while the list is
+        # quiet, one every POLL_MIN_S while requests are arriving or a batch waits for the device.
         first_queued_at = requests[0].queued_at
+        arriving = True  # the last poll found requests: the rest of a burst is likely on its way
         while True:
             busy = self._busy()
             opened_at = max(first_queued_at, self._device_free_at)
@@ -259,9 +297,16 @@ class InferenceServer:
                 # Polls while the device computes only gather what it takes next: wait for it to be
                 # free (woken that moment) or for a poll period, whichever is sooner.
                 self._device_idle.wait(POLL_S)
+            elif busy or arriving:
+                # The API's requests of a burst land together, a fraction of a millisecond after the
+                # first ones: measured at 32 clients (cifar_net), polling every POLL_S here took the
+                # last of them 1.2 to 2.2 ms after they were queued, POLL_MIN_S 0.4 to 0.6 ms.
+                time.sleep(POLL_MIN_S)
             else:
-                time.sleep(POLL_MIN_S if busy else min(POLL_S, max(POLL_MIN_S, self.window.deadline(opened_at) - now)))
-            images += self._add(requests, self.redis.lpop(self.queue, self.max_batch - images) or [])
+                time.sleep(min(POLL_S, max(POLL_MIN_S, self.window.deadline(opened_at) - now)))
+            arrived = self.redis.lpop(self.queue, self.max_batch - images) or []
+            arriving = bool(arrived)
+            images += self._add(requests, arrived)
         self.window.observe(images)
         return requests
 
@@ -325,14 +370,17 @@ class InferenceServer:
         return groups
 
     def _decode_all(self, data: list[bytes], meta: ModelMeta) -> list[np.ndarray | BadImage]:
-        """Every image decoded, in order: one contiguous chunk per decode thread, the last chunk on this
-        (the intake) thread while the pool does the others, so a lone image never changes threads.
-        A pool task per image cost more in hand-offs than a 32×32 PNG's decode (~30 µs)."""
-        chunks = min(self.decode_threads, len(data))
+        """Every image decoded, in order: one contiguous chunk per decode thread (`DecodeSplit` says
+        how many), the last chunk on this (the intake) thread while the pool does the others, so a
+        lone image never changes threads. A pool task per image cost more in hand-offs than a 32×32
+        PNG's decode (~30 µs)."""
+        chunks = self.decode_split.chunks(len(data))
         size = -(-len(data) // chunks)
         parts = [data[i:i + size] for i in range(0, len(data), size)]
         pending = [self._pool.submit(_decode_chunk, part, meta, self.max_pixels) for part in parts[:-1]]
+        began = time.thread_time()
         last = _decode_chunk(parts[-1], meta, self.max_pixels)
+        self.decode_split.observe(time.thread_time() - began, len(parts[-1]))
         return [d for future in pending for d in future.result()] + last
 
     # ------------------------------------------------------------------ device thread

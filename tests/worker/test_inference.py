@@ -20,7 +20,7 @@ from core.wire import PredictReply, PredictRequest, WireImage
 from models.registry import build_model
 from worker.checkpoint import CheckpointError, ModelMeta, Preprocessing, save_model
 from worker.device import WorkerDevice
-from worker.inference import BadImage, InferenceServer, decode_image
+from worker.inference import BadImage, DecodeSplit, InferenceServer, decode_image
 from worker.model_cache import ModelCache
 from worker.preprocess import image_to_array, normalize, stats_tensors
 
@@ -181,6 +181,51 @@ def test_queued_requests_run_as_one_batch_and_bad_ones_are_answered_alone(clean_
         assert len(top) == 3 and [p["index"] for p in top] == row.topk(3).indices.tolist()
         assert all(abs(p["probability"] - row[p["index"]].item()) <= 1e-6 for p in top)
         assert top[0]["label"] == META.classes[top[0]["index"]]
+
+
+def test_images_are_decoded_on_one_thread_until_they_cost_enough_for_the_pool() -> None:
+    split = DecodeSplit(threads=4)
+    assert split.chunks(32) == 1  # nothing measured yet: the intake thread alone
+    split.observe(32 * 30e-6, 32)  # 30 µs an image (a 32×32 PNG): threads would only contend for the GIL
+    assert split.chunks(32) == 1
+    split.observe(16 * 600e-6, 16)  # large images now: the average (144 µs) is past POOL_FROM_S
+    assert split.chunks(32) == 4 and split.chunks(3) == 3 and split.chunks(1) == 1
+    for _ in range(12):  # small ones again: back to one thread once the average has come down
+        split.observe(32 * 20e-6, 32)
+    assert split.chunks(32) == 1
+
+
+def test_large_images_are_decoded_by_the_pool_with_the_same_answers(clean_redis_url: str, tmp_path) -> None:
+    """The first batch is decoded on the intake thread and timed; 256×256 JPEGs cost far more than
+    DecodeSplit.POOL_FROM_S each (~1 ms here), so the second is split over the pool, in order."""
+    client = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    paths = CheckpointPaths(tmp_path)
+    model = _save(paths, "job-a", 8)
+    device = WorkerDevice("cpu", None, "testnode")
+    server = InferenceServer(client, device, ModelCache(paths, "cpu", 2, 1 << 30), max_batch=32, max_wait_ms=5,
+                             max_pixels=10**6, decode_threads=3)
+    jpegs = [_encode(_rgb(60 + i, (256, 256)), "JPEG", quality=90) for i in range(8)]
+    replies = []
+    server.start()
+    try:
+        for n in range(2):
+            client.rpush(keys.predict_queue(device.id), _request("job-a", jpegs, f"reply:{n}", top_k=10))
+            reply = client.blpop([f"reply:{n}"], timeout=20)
+            assert reply is not None
+            replies.append(PredictReply.decode_addressed(reply[1])[1])
+            if n == 0:
+                assert server.decode_split.chunks(len(jpegs)) == 3  # measured: the next batch goes to the pool
+    finally:
+        server.stop()
+        server.join()
+    mean, std = stats_tensors(META.preprocessing, "cpu")
+    with torch.inference_mode():
+        x = torch.from_numpy(np.stack([decode_image(j, META, 10**6) for j in jpegs]))
+        expected = torch.softmax(model(normalize(x, mean, std)), dim=1)
+    for answer in replies:
+        assert answer.status == 200
+        for result, row in zip(json.loads(answer.body)["results"], expected, strict=True):
+            assert all(abs(p["probability"] - row[p["index"]].item()) <= 1e-5 for p in result["predictions"])
 
 
 def test_padding_to_a_bucket_as_on_a_gpu_changes_no_answer(clean_redis_url: str, tmp_path) -> None:
