@@ -46,10 +46,8 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
     from worker.device import DeviceChoice, PinningError, exec_pinned, is_pinned, resolve_worker_device
 
     # No OpenMP wait policy is set: OpenMP threads that sleep between operators (PASSIVE) cost a CPU
-    # training loop about a third of its speed, and capping libgomp's spin (GOMP_SPINCOUNT=30000)
-    # about a tenth (docs/benchmarks.md); /predict does without either: a light model's forward runs
-    # on one thread (no team to spin), and a heavy one's is long enough to repay the spin after it
-    # (worker/cpu_threads.ForwardThreads).
+    # training loop about a third of its speed (docs/benchmarks.md). libgomp's spin is capped instead
+    # (worker/device.openmp_environment), unless the operator set GOMP_SPINCOUNT or OMP_WAIT_POLICY.
     try:
         choice = DeviceChoice.parse(args.device)
         if not is_pinned(args.device, os.environ):

@@ -91,16 +91,18 @@ def test_two_workers_routing_lock_offline_and_back(clean_redis_url: str, tmp_pat
     try:
         # An outer CUDA_VISIBLE_DEVICES does not leak into a CPU worker: `--device cpu` hides every GPU.
         worker_a = procs.worker("cpu", name="worker-hosta", TORCHYARD_NODE_NAME="hosta", CUDA_VISIBLE_DEVICES="7")
-        worker_b = procs.worker("cpu", name="worker-hostb", TORCHYARD_NODE_NAME="hostb")
+        # An operator's own OpenMP spin is kept; without one the worker starts with a capped spin.
+        worker_b = procs.worker("cpu", name="worker-hostb", TORCHYARD_NODE_NAME="hostb", GOMP_SPINCOUNT="5000")
         procs.api(port)
         wait_until(lambda: device_is(client, A, "idle") and device_is(client, B, "idle"), timeout=90,
                    what="both workers idle in /devices")
 
         # Each worker process saw its own pin, from the kernel's view and from its own heartbeat.
         listed = devices(client)
-        for proc, device_id, node in ((worker_a, A, "hosta"), (worker_b, B, "hostb")):
+        for proc, device_id, node, spin in ((worker_a, A, "hosta", "30000"), (worker_b, B, "hostb", "5000")):
             env = proc_environ(proc.pid)
             assert env["CUDA_VISIBLE_DEVICES"] == "" and env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+            assert env.get("GOMP_SPINCOUNT") == spin
             device = listed[device_id]
             assert device["pid"] == proc.pid and device["cuda_visible_devices"] == ""
             assert device["worker"] == f"cpu@{node}" and device["type"] == "cpu" and device["index"] is None

@@ -17,6 +17,7 @@ from worker.device import (
     PinningError,
     WorkerDevice,
     is_pinned,
+    openmp_environment,
     pinned_environment,
     resolve_worker_device,
 )
@@ -43,6 +44,12 @@ def test_pinned_environment(arg: str, outer: str | None, visible: str) -> None:
     environ = {} if outer is None else {"CUDA_VISIBLE_DEVICES": outer}
     pinned = pinned_environment(DeviceChoice.parse(arg), environ)
     assert pinned == {"CUDA_VISIBLE_DEVICES": visible, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+
+
+def test_openmp_spin_is_capped_unless_the_operator_chose_one() -> None:
+    assert openmp_environment({}) == {"GOMP_SPINCOUNT": "30000"}
+    assert openmp_environment({"GOMP_SPINCOUNT": "0"}) == {}
+    assert openmp_environment({"OMP_WAIT_POLICY": "PASSIVE"}) == {}
 
 
 def test_index_beyond_outer_visible_devices_is_refused() -> None:
