@@ -581,6 +581,23 @@ routing, dependency and exception layers for /predict (the front gate serves it 
 per cifar_net request 0.40 → 0.32 ms); a BLPOP of its own per request (one reply inbox per API
 process: 0.32 → 0.29 ms); batches cut short by a fixed 2 ms window while most clients waited for
 the batch being computed (worker/batching.BatchWindow).
+
+Where a cycle goes at 32 clients (cifar_net, timestamps in the worker and the API, 2026-11-24):
+the closed loop makes every batch the same 32 requests, so a cycle is a chain. The API parses
+the 32 (2.0-2.5 ms) and their scripts reach Redis together at the end of its event-loop turn;
+the worker had the last of them 1.2-2.2 ms after it was queued (polling every 1 ms; now every
+0.2 ms while requests keep arriving: 0.4-0.6 ms), decodes them (1.0-1.3 ms on two threads, which
+contend for the GIL over small PNGs; now on the intake thread alone, worker/inference.DecodeSplit),
+runs the forward (1.0-1.4 ms, one thread), replies (0.6-0.8 ms), and the API answers the 32 and
+reads the next ones (1.3-1.8 ms): ~9 ms, the API busy half of it and the two cores idle ~45% of
+the time (psutil) at 3,300-3,700 requests/s. Tried and not kept: cutting the API's turn so the
+first requests reach Redis while the rest are parsed, the worker decoding them as they arrive
+(API CPU per request 139 → 171 µs, 3,640 → 3,160 requests/s: the overlap's work shares the same
+two cores); two torch threads for cifar_net (worker CPU per image 115-139 → 150-205 µs, no more
+throughput). resnet18: after its two-thread forward libgomp's default spin held a core while the
+replies waited (2.0-2.9 ms, their RPUSH alone 1.1-1.7): the worker now starts with
+`GOMP_SPINCOUNT=30000` (worker/device.openmp_environment), 1,245-1,406 → 1,518-1,573 images/s and
+976-1,063 → 731-763 µs of worker CPU per image, three runs each, alternating.
 """
 
 
