@@ -68,7 +68,10 @@ def openmp_environment(environ: Mapping[str, str]) -> dict[str, str]:
     between operators, did not move beyond this host's noise: the 2-thread tight loop of bench/train.py, best epoch of four runs each, cifar_net
     11,062 to 18,102 images/s by default against 13,206 to 15,568 capped, resnet18 1,165 and
     1,196 against 1,144 and 1,170. (PASSIVE, which sleeps at once, costs training about a third:
-    docs/benchmarks.md.)"""
+    docs/benchmarks.md.) It costs a `predict` job on a CPU device some of its speed, whose two
+    forward threads share the cores with the decode process and sleep at barriers they used to
+    spin through: resnet18's handler, eight jobs each alternating, 2,297 to 2,518 images/s capped
+    against 2,412 to 2,707 (about 7 %); cifar_net's forward runs on one thread and has no team."""
     if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
         return {}
     return {"GOMP_SPINCOUNT": SPIN_COUNT}
