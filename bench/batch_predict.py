@@ -48,7 +48,11 @@ On the faster host of the evening of 2026-11-24 the handler's stages, timed apar
 image, were: forward on one thread 44 µs, the decode process 33 µs, the lines 4 µs; that is ~81 µs
 of CPU per image on 2 cores, a ceiling of ~25,000 img/s, 0.57× of a 45,000 img/s floor (the job
 did 14,200 to 15,300 img/s in the service and its loop alone 16,400 to 18,100; two decode processes,
-or two torch threads, were slower)."""
+or two torch threads, were slower). Since the evening of 2026-11-24 the worker starts with libgomp's spin capped
+(worker/device.openmp_environment), which costs resnet18's job about 7% (its handler, eight jobs
+each, alternating: 2,297 to 2,518 against 2,412 to 2,707 img/s) and gains /predict at 32 clients
+about a fifth; the decode processes run at nice 10, yielding the cores to the forward's threads
+(worker/predict_job._decode_at_lower_priority)."""
 
 
 def images_zip(n: int) -> bytes:
