@@ -597,7 +597,7 @@ two cores); two torch threads for cifar_net (worker CPU per image 115-139 → 15
 throughput). resnet18: after its two-thread forward libgomp's default spin held a core while the
 replies waited (2.0-2.9 ms, their RPUSH alone 1.1-1.7): the worker now starts with
 `GOMP_SPINCOUNT=30000` (worker/device.openmp_environment), 1,245-1,406 → 1,518-1,573 images/s and
-976-1,063 → 731-763 µs of worker CPU per image, three runs each, alternating.
+976-1,063 → 731-763 µs of worker CPU per image, two runs of each setting, alternating.
 """
 
 
