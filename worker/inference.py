@@ -140,11 +140,11 @@ class DecodeSplit:
 
     def __init__(self, threads: int) -> None:
         self.threads = max(1, threads)
-        self.image_s = 0.0  # running average of one image's decode CPU; 0 until a first batch
+        self.image_s: float | None = None  # running average of one image's decode CPU, once measured
 
     def chunks(self, images: int) -> int:
         """How many chunks (threads) a batch of `images` is decoded in."""
-        if images <= 1 or self.image_s < self.POOL_FROM_S:
+        if images <= 1 or self.image_s is None or self.image_s < self.POOL_FROM_S:
             return 1
         return min(self.threads, images)
 
@@ -153,7 +153,7 @@ class DecodeSplit:
         if images <= 0:
             return
         one = cpu_s / images
-        self.image_s = one if self.image_s == 0.0 else self.image_s + self.WEIGHT * (one - self.image_s)
+        self.image_s = one if self.image_s is None else self.image_s + self.WEIGHT * (one - self.image_s)
 
 
 @dataclass
