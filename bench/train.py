@@ -14,7 +14,8 @@ files cannot match the official md5 sums). Optimizer everywhere: SGD lr 0.001 mo
       random permutation per epoch, batches gathered by index and normalised in place; each
       setting in a fresh process with nothing of ours running, best of torch threads {1, all
       cores} × OpenMP waiting {default, PASSIVE, GOMP_SPINCOUNT=30000}; then its best setting
-      again in each round, just before the round's service job (the service stopped meanwhile);
+      again in each round, the best of `--round-repeats` fresh processes, just before the round's
+      service job (the service stopped meanwhile);
   (c) a job through the service as real processes (embedded Redis, `app.cli worker --device cpu`,
       `app.cli api`) with its default settings, submitted over HTTP; images/s is the worker's own
       per-epoch figure, the best epoch after the first (the first pays for warm-up).
@@ -297,11 +298,14 @@ def report(command: str, n: int, results: dict[str, dict], load: tuple[float, fl
         lines.append(f"| {model} | {a:,.0f} img/s | {b:,.0f} img/s ({best['threads']} threads, OpenMP "
                      f"{best['omp']}) | {c:,.0f} img/s | {c / b:.2f} | {c / a:.1f}× |")
     lines += ["", "The floor's settings, each in a fresh process (best epoch after the first; the "
-              "`round` rows are the best setting again, each just before a service job, with the service stopped):", "",
+              "`round` rows are the best setting again just before a service job, with the service stopped: "
+              "the best of several fresh processes, each one's best epoch listed, the epochs shown the best one's):", "",
               "| model | threads | OpenMP waiting | img/s | epochs |", "| --- | ---: | --- | ---: | --- |"]
     for model, r in results.items():
         for t in r["b"]["tried"]:
-            lines.append(f"| {model} | {t['threads']} | {t['omp']}{' (round)' if t.get('after') else ''} | "
+            kind = (f" (round, best of {', '.join(f'{x:,.0f}' for x in t['repeats'])})" if t.get("repeats")
+                    else " (round)" if t.get("after") else "")
+            lines.append(f"| {model} | {t['threads']} | {t['omp']}{kind} | "
                          f"{t['images_per_second']:,.0f} | {t['epochs']} |")
     lines += ["", "The service's epochs, one list per job: " + "; ".join(f"{m}: {r['c']['epochs']}" for m, r in results.items()),
               "; the tutorial loop's 500-image windows: " + "; ".join(
@@ -312,11 +316,12 @@ def report(command: str, n: int, results: dict[str, dict], load: tuple[float, fl
         jobs = [max(epochs[1:] or epochs) for epochs in r["c"]["epochs"]]
         pairs = [job / floor for job, floor in zip(jobs, rounds, strict=False)]
         if pairs:
-            lines += [f"{model}, each job's best epoch against the floor round run just before it: "
-                      + ", ".join(f"{p:.2f}" for p in pairs)
+            lines += [f"{model}, each job's best epoch against its round's floor (the best of that round's "
+                      "fresh processes, run just before it): " + ", ".join(f"{p:.2f}" for p in pairs)
                       + (" (above 1.00: the job runs the floor's steps, same model, optimiser, batch and data, "
-                         "plus its own bookkeeping, so the excess is this host's speed drifting between the two "
-                         "runs)" if max(pairs) > 1 else ""),
+                         "plus its own bookkeeping, so the excess is this host's speed moving between the two "
+                         "runs; the table's (c)/(b) is against the best floor of the whole run)" if max(pairs) > 1
+                         else ""),
                       ""]
     lines += [OMP_NOTE, ""]
     return "\n".join(lines)
@@ -334,6 +339,8 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=None, help="epochs for (b) and (c) (default 4, quick 2)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of (floor, service job) per model after the sweep (default 3, quick 1)")
+    parser.add_argument("--round-repeats", type=int, default=None,
+                        help="fresh floor processes per round, the best kept (default 3, quick 1)")
     parser.add_argument("--no-write-docs", action="store_true", help="print only; leave docs/benchmarks.md alone")
     parser.add_argument("--tight", nargs=4, metavar=("MODEL", "N", "EPOCHS", "THREADS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -343,6 +350,7 @@ def main() -> None:
     n = args.images or (2000 if args.quick else 10_000)
     epochs = args.epochs or (2 if args.quick else 4)
     args.rounds = args.rounds or (1 if args.quick else 3)
+    args.round_repeats = args.round_repeats or (1 if args.quick else 3)
     command = "flock /tmp/torchyard-bench.lock .venv/bin/python bench/train.py " + " ".join(sys.argv[1:])
 
     load_before = os.getloadavg()[0]
@@ -369,8 +377,12 @@ def main() -> None:
             jobs = []
             for round_ in range(1, args.rounds + 1):
                 print(f"[{model}] round {round_}: (b) floor, (c) torchyard job ...", flush=True)
-                again = floor(model, n, epochs, [(best["threads"], best["omp"])])[0]
-                b["tried"].append({**again, "after": True})
+                # Best of several fresh processes: one 4-epoch run of the same setting did anything
+                # from 11,080 to 18,356 img/s within a minute here, so a single run per round let
+                # the job beat "its floor" (1.31, 1.24, 1.11 in one run) on the floor's bad luck.
+                repeats = floor(model, n, epochs, [(best["threads"], best["omp"])] * args.round_repeats)
+                again = max(repeats, key=lambda t: t["images_per_second"])
+                b["tried"].append({**again, "after": True, "repeats": [t["images_per_second"] for t in repeats]})
                 with Service(work / "data", work / "logs", None) as service:
                     jobs.append(service.job(model, epochs, SERVICE_BATCH))
             results[model]["c"] = {"images_per_second": max(v for e in jobs for v in (e[1:] or e)), "epochs": jobs}
