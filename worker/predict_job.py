@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -42,6 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 from core.batch_predict import RESULTS_FILE
 from core.schemas import CheckpointInfo, Job, PredictSummary, Progress
 from core.storage import sha256_file
+from core.wire import strict_json
 from worker.checkpoint import ModelMeta, load_model
 from worker.forward_graph import ForwardGraph, build_forward
 from worker.inference import decode_image
@@ -82,27 +82,18 @@ def true_label(relative: str) -> str:
 
 
 # ---------------------------------------------------------------------- the lines
-def encode_labels(classes: Sequence[str]) -> list[str]:
-    """The classes as JSON strings, encoded once per job rather than once per line."""
-    return [json.dumps(name) for name in classes]
-
-
-def result_line(file: str, values: Sequence[float], indices: Sequence[int], labels: Sequence[str],
+def result_line(file: str, values: Sequence[float], indices: Sequence[int], classes: Sequence[str],
                 label: str | None = None) -> bytes:
-    """One image's line: the top-k (label, index, probability), best first, as /predict answers them.
-
-    `labels` from encode_labels. Assembled from pre-encoded pieces: json.dumps of the whole dict
-    cost ~8 µs a line, a sixth of cifar_net's forward per image on the thread that runs both;
-    floats print as json.dumps prints them (repr), a non-finite one as json.dumps would too."""
-    head = f'{{"file":{json.dumps(file)},' + (f'"label":{json.dumps(label)},' if label is not None else "")
-    predictions = ",".join(
-        f'{{"label":{labels[i]},"index":{i},"probability":{_number(p)}}}'
-        for p, i in zip(values, indices, strict=True))
-    return f'{head}"predictions":[{predictions}]}}\n'.encode()
-
-
-def _number(value: float) -> str:
-    return repr(value) if math.isfinite(value) else json.dumps(value)
+    """One image's line: the top-k (label, index, probability), best first, as /predict answers them
+    (core/wire.strict_json, so a non-finite probability is null there as here). 1.0 µs a line, on the
+    thread that also runs the forward, against 2.6 for the string assembled from pre-encoded pieces
+    it replaces and ~8 for json.dumps of the dict (a sixth of cifar_net's forward per image)."""
+    doc: dict[str, Any] = {"file": file}
+    if label is not None:
+        doc["label"] = label
+    doc["predictions"] = [{"label": classes[i], "index": i, "probability": p}
+                          for p, i in zip(values, indices, strict=True)]
+    return strict_json(doc) + b"\n"
 
 
 def error_line(file: str, error: str, label: str | None = None) -> bytes:
@@ -110,7 +101,7 @@ def error_line(file: str, error: str, label: str | None = None) -> bytes:
     if label is not None:
         doc["label"] = label
     doc["error"] = error
-    return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+    return strict_json(doc) + b"\n"
 
 
 # ---------------------------------------------------------------------- the resume point
@@ -295,7 +286,6 @@ def run_predict_job(job: Job, ctx: JobContext) -> JobOutcome:
     model, meta = load_model(ctx.paths.final(trained_id), device)
     graph = build_forward(model, meta.preprocessing, device)
     classes = meta.classes
-    labels = encode_labels(classes)
     top_k = min(top_k_asked, len(classes))
     cuda = device.type == "cuda"
     batch_size = int(job.params.get("batch_size") or (DEFAULT_GPU_BATCH if cuda else DEFAULT_CPU_BATCH))
@@ -353,7 +343,7 @@ def run_predict_job(job: Job, ctx: JobContext) -> JobOutcome:
                         chunk += error_line(name, batch.errors[position], label)
                         errors += 1
                         continue
-                    chunk += result_line(name, values[row], indices[row], labels, label)
+                    chunk += result_line(name, values[row], indices[row], classes, label)
                     if label is not None and classes[indices[row][0]] == label:
                         correct += 1
                     row += 1

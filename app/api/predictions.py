@@ -28,13 +28,13 @@ import asyncio
 import contextlib
 import io
 import itertools
-import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 from PIL import Image
 from redis.commands.core import AsyncScript
@@ -48,7 +48,7 @@ from core.errors import Conflict, InvalidInput, NotFound, TooLarge, TorchyardErr
 from core.images import IMAGE_FORMATS, IMAGE_FORMATS_TEXT, OPENED_FORMATS
 from core.schemas import Device, JobStatus
 from core.storage import validate_id
-from core.wire import PredictReply, PredictRequest, WireImage
+from core.wire import PredictReply, PredictRequest, WireImage, strict_json
 
 log = logging.getLogger(__name__)
 
@@ -421,6 +421,6 @@ class PredictionClient:
 
 def _naming_alias(body: str, alias: str) -> bytes:
     """The worker's PredictResponse with the alias the request named (the worker knows only the job)."""
-    doc = json.loads(body)
+    doc = orjson.loads(body)
     doc["alias"] = alias
-    return json.dumps(doc, separators=(",", ":")).encode()
+    return strict_json(doc)

@@ -19,7 +19,6 @@ from worker.predict_job import (
     ResumePoint,
     copy_prefix,
     decoded_batches,
-    encode_labels,
     error_line,
     list_images,
     result_line,
@@ -44,19 +43,29 @@ def test_list_images_is_sorted_relative_and_skips_dotfiles(tmp_path: Path) -> No
     assert true_label("b/10.png") == "b"
 
 
-def test_lines_are_json_with_predictions_best_first() -> None:
-    labels = encode_labels(META.classes)
-    line = result_line("cat/1.png", [0.7, 0.2], [0, 2], labels, label="cat")
+def _strict(line: bytes) -> object:
+    """A line parsed as strict JSON: NaN and Infinity refused, as jq and JavaScript refuse them."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_lines_are_strict_json_with_predictions_best_first() -> None:
+    line = result_line("cat/1.png", [0.7, 0.2], [0, 2], META.classes, label="cat")
     assert line.endswith(b"\n") and line.count(b"\n") == 1
-    assert json.loads(line) == {"file": "cat/1.png", "label": "cat", "predictions": [
+    assert _strict(line) == {"file": "cat/1.png", "label": "cat", "predictions": [
         {"label": "cat", "index": 0, "probability": 0.7}, {"label": "eel", "index": 2, "probability": 0.2}]}
-    # Byte for byte what json.dumps writes, odd names and non-finite numbers included.
+    # Odd names come back as they were; a non-finite probability is null, as /predict answers it;
+    # a name that was not UTF-8 (lone surrogates, as os.walk returns it) still makes a line.
     odd = ["caf\u00e9 \"q\"", "back\\slash", "tab\t"]
-    for values in ([0.123456789012345, 1e-12], [float("nan"), float("inf")]):
-        got = result_line('we"ird\\name.png', values, [2, 0], encode_labels(odd), label="\u00e9")
-        expected = {"file": 'we"ird\\name.png', "label": "\u00e9", "predictions": [
-            {"label": odd[i], "index": i, "probability": p} for p, i in zip(values, [2, 0], strict=True)]}
-        assert got == (json.dumps(expected, separators=(",", ":")) + "\n").encode()
+    for name, values, written in (('we"ird\\name.png', [0.123456789012345, 1e-12], [0.123456789012345, 1e-12]),
+                                  ("n.png", [float("nan"), float("inf")], [None, None]),
+                                  ("not-utf8-\udcff.png", [float("-inf"), 0.5], [None, 0.5])):
+        line = result_line(name, values, [2, 0], odd, label="\u00e9")
+        assert line.count(b"\n") == 1, line
+        assert _strict(line) == {"file": name, "label": "\u00e9", "predictions": [
+            {"label": odd[2], "index": 2, "probability": written[0]},
+            {"label": odd[0], "index": 0, "probability": written[1]}]}
     assert json.loads(error_line("x\n.png", "cannot decode image: truncated")) == {
         "file": "x\n.png", "error": "cannot decode image: truncated"}  # a newline in a name stays in its line
 
@@ -70,7 +79,7 @@ def test_resume_point_parses_what_it_recorded_and_refuses_garbage() -> None:
 
 def test_copy_prefix_takes_exactly_the_recorded_lines(tmp_path: Path) -> None:
     source = tmp_path / "a.jsonl"
-    lines = [result_line(f"{k}.png", [1.0], [0], encode_labels(META.classes)) for k in range(4)]
+    lines = [result_line(f"{k}.png", [1.0], [0], META.classes) for k in range(4)]
     source.write_bytes(b"".join(lines) + b'{"file": "half-writ')  # what a SIGKILL leaves after the point
     out = io.BytesIO()
     assert copy_prefix(source, out, ResumePoint(images=3, bytes=sum(map(len, lines[:3])), total=4))
