@@ -458,12 +458,14 @@ class InferenceServer:
         """Probabilities (on the host) of `arrays`, padded to a bucketed size where that pays."""
         assert self._staging is not None
         rows = bucket_size(len(arrays), self.max_batch) if self.pad_to_buckets else len(arrays)
+        began = time.perf_counter()
         with torch.inference_mode():
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
                     out = entry.forward.run(self._staging.upload(arrays, rows))[:len(arrays)].cpu()
             else:
                 out = entry.forward.run(self._staging.upload(arrays, rows))[:len(arrays)]
+        self.window.note_forward(time.perf_counter() - began, len(arrays))
         self.stats.record(len(arrays))
         return out
 

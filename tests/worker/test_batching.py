@@ -44,6 +44,25 @@ def test_while_the_device_is_busy_the_intake_keeps_collecting_up_to_max_batch() 
     assert window.target() == 32
 
 
+def test_a_batch_never_waits_longer_than_the_device_takes_to_compute_one() -> None:
+    window = BatchWindow(max_batch=32, max_wait_s=0.010)
+    window.observe(32)
+    assert window.wait_s() == 0.010  # no forward timed yet: the configured window
+    assert not window.ready(10, opened_at=100.0, now=100.005, device_busy=False)
+    window.note_forward(0.002, 32)  # a light model: its full batch computes in 2 ms
+    assert window.wait_s() == pytest.approx(0.002)
+    assert not window.ready(10, opened_at=100.0, now=100.001, device_busy=False)
+    assert window.ready(10, opened_at=100.0, now=100.002, device_busy=False)
+    assert window.deadline(100.0) == pytest.approx(100.002)
+    window.note_forward(0.0001, 4)  # fewer than expected: says nothing of what a full batch costs
+    assert window.wait_s() == pytest.approx(0.002)
+    for _ in range(40):  # a heavy model: the configured window bounds the wait again
+        window.note_forward(0.030, 32)
+    assert window.wait_s() == 0.010
+    assert not window.ready(10, opened_at=100.0, now=100.005, device_busy=False)
+    assert not window.ready(31, opened_at=100.0, now=105.0, device_busy=True)  # a busy device: collect on
+
+
 @pytest.mark.parametrize(("n", "bucket"), [(1, 1), (2, 2), (3, 4), (5, 8), (9, 16), (17, 32), (31, 32), (32, 32),
                                            (33, 33)])
 def test_batch_sizes_are_bucketed_to_powers_of_two_up_to_max_batch(n: int, bucket: int) -> None:
