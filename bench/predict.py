@@ -425,6 +425,26 @@ def run(args: argparse.Namespace) -> str:
         procs.stop_all()
         redis_server.stop()
 
+    # (d) empty FastAPI handlers, right after (b): the host's speed drifts over minutes, and (b)/(d)
+    # is a ratio of two cells (once 8 minutes of LitServe apart, with API CPU per request 20 % apart)
+    empty: dict[str, dict[str, float]] = {}
+    (work / "predict_empty_app.py").write_text(EMPTY_APP)  # an import string for uvicorn's workers
+    empty_port = free_port()
+    proc = serve(work, "empty-fastapi", ["--empty-server", str(empty_port), str(api_workers), str(work)])
+    try:
+        for _ in range(300):
+            try:
+                httpx.post(f"http://127.0.0.1:{empty_port}/raw", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        for kind in ("form", "raw"):
+            request = multipart_request(empty_port, f"/{kind}", png, {"job_id": "x", "top_k": "5"})
+            empty[kind] = load(empty_port, request, MAX_BATCH, args.seconds, {"api": proc.pid})
+            print(f"empty {kind}: {empty[kind]}", file=sys.stderr)
+    finally:
+        kill_group(proc)
+
     # (c) LitServe, one configuration alive at a time
     lit: dict[str, dict[int, dict]] = {}
     for model, (_, path) in ([] if args.skip_litserve else checkpoints.items()):
@@ -448,25 +468,6 @@ def run(args: argparse.Namespace) -> str:
                         lit[model][c] = cell
             finally:
                 kill_group(proc)
-
-    # (d) empty FastAPI handlers
-    empty: dict[str, dict[str, float]] = {}
-    (work / "predict_empty_app.py").write_text(EMPTY_APP)  # an import string for uvicorn's workers
-    empty_port = free_port()
-    proc = serve(work, "empty-fastapi", ["--empty-server", str(empty_port), str(api_workers), str(work)])
-    try:
-        for _ in range(300):
-            try:
-                httpx.post(f"http://127.0.0.1:{empty_port}/raw", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        for kind in ("form", "raw"):
-            request = multipart_request(empty_port, f"/{kind}", png, {"job_id": "x", "top_k": "5"})
-            empty[kind] = load(empty_port, request, MAX_BATCH, args.seconds, {"api": proc.pid})
-            print(f"empty {kind}: {empty[kind]}", file=sys.stderr)
-    finally:
-        kill_group(proc)
 
     return report(args, raw, service, lit, empty, api_workers)
 
