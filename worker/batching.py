@@ -45,6 +45,8 @@ class BatchWindow:
     - open-loop (Poisson) traffic, p50: 5.6 → 2.2 ms at 500 requests/s, 9.2 → 2.9 at 1,500,
       12.7 → 3.4 at 2,500, 14.8 → 6.4 at 3,500: the old window held each batch for as many
       requests as the largest recent one while the device idled.
+    The average is the worker's, over whichever models its batches ran: a device serving a heavy
+    and a light model at once waits somewhere between what each alone would.
     """
 
     FORWARD_WEIGHT = 0.2  # of the newest full batch in the running average of the forward's time
