@@ -42,7 +42,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -547,6 +547,22 @@ class JobStore:
             self.redis.hincrby(keys.RECOVERY_STATS, "expired_leases", len(swept))
         return swept
 
+    def take_back_from_dead(self, worker: str, instance: str, is_dead: Callable[[str], bool]) -> list[str]:
+        """Requeue at once the running jobs that an earlier process of `worker` (this worker's name:
+        the same device on the same host) claimed and that `is_dead` says is gone: a worker
+        restarted after a crash resumes its job now, not a lease TTL later. Any other worker's
+        jobs, another host's above all, are left to their leases."""
+        taken: list[str] = []
+        for job_id in self.redis.zrange(keys.jobs_with_status(JobStatus.running.value), 0, -1):
+            holder, claimed_by = self.redis.hmget(keys.job(job_id), ["worker", "claimed_by"])
+            if holder != worker or not claimed_by or claimed_by == instance or not is_dead(claimed_by):
+                continue
+            if self._back_to_queue(job_id, f"its worker process ({worker}) died", claimed_by=claimed_by):
+                taken.append(job_id)
+        if taken:
+            self.redis.hincrby(keys.RECOVERY_STATS, "taken_back_after_crash", len(taken))
+        return taken
+
     def reconcile_dispatch(self, now: float | None = None) -> list[str]:
         """Re-send the current delivery of every queued job that is overdue (not claimed within
         `dispatch_grace_s` of being queued) and whose message is not waiting in its queue.
@@ -610,10 +626,11 @@ class JobStore:
         return {k: int(v) for k, v in self.redis.hgetall(keys.RECOVERY_STATS).items()}
 
     def _back_to_queue(self, job_id: str, reason: str, *, token: str | None = None,
-                       expired_by: float | None = None) -> bool:
+                       expired_by: float | None = None, claimed_by: str | None = None) -> bool:
         """Put a running job back to `queued` with a fresh delivery token and a dispatch intent, or
         fail it when it has had `max_attempts` deliveries. Either `token` (the delivery giving the
-        job back must still own it) or `expired_by` (its lease must have expired by then)."""
+        job back must still own it), `expired_by` (its lease must have expired by then) or
+        `claimed_by` (the worker process that claimed it must still be the one: it died)."""
         key = keys.job(job_id)
         decided: list[tuple[bool, TrainDelivery | None]] = []
 
@@ -628,6 +645,9 @@ class JobStore:
                 decided.append((False, None))
                 return
             if token is not None and raw.get("delivery") != token:
+                decided.append((False, None))
+                return
+            if claimed_by is not None and raw.get("claimed_by") != claimed_by:
                 decided.append((False, None))
                 return
             if expired_by is not None and (expiry is None or expiry > expired_by):
