@@ -136,7 +136,7 @@ def test_extracted_files_and_folders_are_on_disk_before_the_record(tmp_path: Pat
     monkeypatch.setattr(os, "fsync", spy)
     archive = _zip(tmp_path / "d.zip", [("Cat/1.png", PNG), ("Dog/1.png", PNG), ("Dog/2.jpg", JPEG)])
     extract_image_folder(archive, dest, LIMITS)
-    expected = {p for p in dest.rglob("*")} | {dest, dest.parent}
+    expected = set(dest.rglob("*")) | {dest, dest.parent}
     assert {p.stat().st_ino for p in expected} <= synced, sorted(str(p) for p in expected
                                                                  if p.stat().st_ino not in synced)
 
