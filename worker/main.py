@@ -25,8 +25,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 from dataclasses import dataclass
+from typing import NoReturn
 
 from core.config import Settings
 from core.datasets import DatasetCatalog
@@ -94,7 +96,7 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
 
     state = WorkerState()
     paths = CheckpointPaths(settings.checkpoints_dir)
-    health = DeviceHealth(settings.device_fault_file)
+    health = DeviceHealth(settings.device_fault_file, torch_device=device.torch_device)
     cache = ModelCache(paths, device.torch_device, settings.model_cache_count, settings.model_cache_bytes)
     inference = InferenceServer(client, device, cache, max_batch=settings.predict_max_batch,
                                 max_wait_ms=settings.predict_max_wait_ms, max_pixels=settings.max_image_pixels,
@@ -138,8 +140,21 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
         heartbeat.stop()
         _current = None
     if state.out_of_service.is_set():
-        return EXIT_OUT_OF_SERVICE
+        _exit_out_of_service()
     return worker.exitcode or 0
+
+
+def _exit_out_of_service() -> NoReturn:
+    """A worker whose device broke ends here, without the interpreter's finalizers. Everything it
+    owes is done by now (the job requeued, Celery stopped, the device released as broken); what is
+    left are torch's CUDA objects (the caching allocator, events, streams, library handles), whose
+    destructors at exit run on a context that is now unusable and can abort the process
+    ("terminate called after throwing an instance of 'c10::Error'") or block. The supervisor must
+    see EXIT_OUT_OF_SERVICE, at once, to start a fresh process."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_OUT_OF_SERVICE)
 
 
 def _instance_gone(instance: str) -> bool:
