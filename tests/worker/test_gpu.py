@@ -15,9 +15,10 @@ import torch
 
 from core.params import resolve_params
 from core.schemas import JobSpec
-from models.registry import MODELS, build_model, get_model_spec
+from models.registry import MODELS, build_model
+from tests.worker.test_forward_graph import _preprocessing
 from tests.worker.test_trainer import Reporter, small_fake
-from worker.checkpoint import Preprocessing, load_payload
+from worker.checkpoint import load_payload
 from worker.forward_graph import GRAPH_TOLERANCE, ServingForward, build_forward
 from worker.job_context import StopJob
 from worker.staging import StagedBatches
@@ -65,12 +66,6 @@ def test_the_fp16_grad_scaler_state_survives_a_resume(tmp_path: Path) -> None:
     halvings = math.log2(3000.0 / scale)
     assert halvings >= 0 and halvings == int(halvings), f"scale {scale} does not descend from the resumed 3000"
     assert all(math.isfinite(m.train_loss) for m in second.epochs)
-
-
-def _preprocessing(name: str) -> Preprocessing:
-    spec = get_model_spec(name).input
-    return Preprocessing(spec.channels, spec.height, spec.width, (0.4, 0.5, 0.6)[:spec.channels],
-                         (0.2, 0.25, 0.3)[:spec.channels])
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
