@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("up", help="the embedded stack: Redis, the API and one worker per device").set_defaults(run=_up)
     sub.add_parser("api", help="the HTTP API alone (uvicorn)").set_defaults(run=_api)
     worker = sub.add_parser("worker", help="one worker pinned to one device")
-    worker.add_argument("--device", required=True, help="GPU index (0, 1, ...) or 'cpu'")
+    worker.add_argument("--device", required=True, help="GPU index (0, 1, ...), GPU-/MIG- UUID, or 'cpu'")
     worker.set_defaults(run=_worker)
     from client.commands import add_client_commands  # stdlib only at import; httpx loads in the handlers
 
@@ -83,7 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
-    return args.run(Settings(), args)
+    try:
+        settings = Settings()
+    except ValueError as exc:  # pydantic's ValidationError: one clear message, not a traceback
+        logging.getLogger("torchyard").error("invalid settings: %s", exc)
+        return 2
+    return args.run(settings, args)
 
 
 if __name__ == "__main__":

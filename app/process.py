@@ -13,7 +13,11 @@ _PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """preexec_fn for Popen (Linux): even a SIGKILLed parent takes its children with it."""
+    """preexec_fn for Popen (Linux): even a SIGKILLed parent takes its children with it.
+
+    The kernel arms it for the *thread* that forks, not the process: a child started from a thread
+    gets SIGTERM when that thread ends. Start children from a thread that outlives them (the
+    supervisor's main loop; scripts/chaos.py's spawner thread)."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

@@ -207,8 +207,15 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
 
 def unsafe_bind_refusal(settings: Settings) -> str | None:
-    """Why this API must not start as configured: no key on an address others can reach."""
-    if settings.api_key is not None or settings.binds_loopback or settings.allow_unauthenticated:
+    """Why this API must not start as configured: no key, or no Host names (the DNS-rebinding
+    guard, app/api/front.HostCheck), on an address others can reach."""
+    if settings.binds_loopback:
+        return None
+    if (settings.api_key is not None or settings.allow_unauthenticated) and not settings.allowed_host_names:
+        return (f"refusing to serve on {settings.host}:{settings.port} without TORCHYARD_ALLOWED_HOSTS: set it to the "
+                f"names clients use for this server (e.g. torchyard.internal,10.0.0.5), or to '*' to serve any Host "
+                f"header (no DNS-rebinding guard)")
+    if settings.api_key is not None or settings.allow_unauthenticated:
         return None
     return (f"refusing to serve on {settings.host}:{settings.port} without an API key: anyone who can reach this "
             f"address could train, upload and read checkpoints. Set TORCHYARD_API_KEY (clients send "

@@ -33,6 +33,7 @@ from PIL import Image, UnidentifiedImageError
 
 from core.errors import InvalidInput, TooLarge, UnsupportedMedia
 from core.images import IMAGE_FORMATS, IMAGE_FORMATS_TEXT, refused_format
+from core.storage import fsync_dir, fsync_tree
 
 __all__ = ["ArchiveLimits", "ExtractedDataset", "SkippedFile", "extract_image_folder", "extract_images"]
 
@@ -156,7 +157,9 @@ def _extract_archive(archive: BinaryIO | Path, dest: Path, limits: ArchiveLimits
             os.chmod(tmp, 0o755)
             if dest.exists() or dest.is_symlink():
                 raise FileExistsError(f"extraction destination already exists: {dest}")
+            fsync_tree(tmp)  # the files, then the rename, are on disk before the dataset's record
             os.rename(tmp, dest)
+            fsync_dir(dest.parent)
         except BaseException:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -21,7 +21,7 @@ from core.aliases import AliasStore
 from core.datasets import DatasetCatalog
 from core.devices import DeviceRegistry
 from core.errors import Conflict, InvalidInput, NotFound
-from core.jobs import JobStore
+from core.jobs import JobStore, body_digest
 from core.lineage import record_dependent, trained_source
 from core.schemas import Job, JobKind, JobStatus, PredictSpec
 from core.storage import CheckpointPaths
@@ -42,6 +42,10 @@ class BatchPredictions:
         """Queue a predict job. 404 an unknown job or alias, 409 a training job without a checkpoint
         (yet), 422 a job that is not a training job, a dataset that is unknown or built in, a top_k
         beyond the model's classes, a device nobody could be."""
+        digest = body_digest(JobKind.predict, spec.model_dump(mode="json"))
+        earlier = self.store.replay(idempotency_key, digest)
+        if earlier is not None:  # a retry: its job, whatever changed since it was checked
+            return earlier, False
         trained_id = self._trained_job_id(spec)
         trained = trained_source(self.store, self.paths, trained_id, "to predict with")
         classes = trained.classes or []
@@ -58,7 +62,7 @@ class BatchPredictions:
                   "batch_size": spec.batch_size, "labeled": dataset.labeled, "images": dataset.num_images}
         job, created = self.store.create(model=trained.model, dataset=dataset.id, params=params,
                                          requested_device=device, idempotency_key=idempotency_key,
-                                         kind=JobKind.predict)
+                                         kind=JobKind.predict, body_digest=digest)
         if created:
             record_dependent(self.store.redis, trained_id, job.id)  # its checkpoint stays while this runs
         return job, created

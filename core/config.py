@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -26,6 +27,18 @@ def default_api_workers() -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return min(4, max(1, cores // 2))
+
+
+# A GPU's or a MIG instance's UUID as `nvidia-smi -L` prints it and CUDA_VISIBLE_DEVICES takes it
+# (a unique prefix too). The older MIG form, MIG-GPU-<uuid>/<gi>/<ci>, does not match: its slashes
+# cannot name a device id.
+_GPU_UUID = re.compile(r"(GPU|MIG)-[0-9A-Fa-f][0-9A-Fa-f-]*")
+
+
+def gpu_selector(value: str) -> str | None:
+    """`value` as a GPU selector other than an index (a GPU-… or MIG-… UUID), or None if it is not one."""
+    value = value.strip()
+    return value if _GPU_UUID.fullmatch(value) else None
 
 
 class Settings(BaseSettings):
@@ -52,7 +65,8 @@ class Settings(BaseSettings):
 
     # --- workers and devices -----------------------------------------------------------
     node_name: str = Field(default_factory=socket.gethostname, description="Host part of device ids and worker names.")
-    devices: str = Field(default="auto", description="`torchyard up`: 'auto', 'cpu' or GPU indices like '0,1'.")
+    devices: str = Field(default="auto", description="`torchyard up`: 'auto', 'cpu', or GPUs by index ('0,1') "
+                                                     "or GPU-/MIG- UUID.")
     host_gpu_index: int | None = Field(
         default=None,
         description="The host's index of this worker's GPU when a container runtime renumbered it to 0.",
@@ -157,6 +171,20 @@ class Settings(BaseSettings):
     keep_job_events_days: float = Field(default=7, ge=0, description="Event streams of finished jobs (trimmed). 0: forever.")
     keep_unused_datasets_days: float = Field(default=0, ge=0, description="Uploads no job used for this long. 0: forever.")
     cleanup_interval_s: float = Field(default=3600, gt=0, description="How often one API process runs the cleanup.")
+
+    @field_validator("devices")
+    @classmethod
+    def _known_devices(cls, value: str) -> str:
+        """Refused at start with one clear message, not a worker that cannot pin restarting forever."""
+        value = value.strip()
+        if value in ("auto", "cpu"):
+            return value
+        entries = [e.strip() for e in value.split(",")]
+        bad = [e for e in entries if not (e.isdigit() or gpu_selector(e))]
+        if bad or not entries:
+            raise ValueError(f"TORCHYARD_DEVICES={value!r}: use 'auto', 'cpu', or GPUs by index (0,1) or by "
+                             f"GPU-/MIG- UUID (`nvidia-smi -L`); not {', '.join(map(repr, bad))}")
+        return ",".join(entries)
 
     @property
     def binds_loopback(self) -> bool:

@@ -8,6 +8,7 @@ device lock: a second worker for the same device id is refused while the first i
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +19,18 @@ from core.errors import DeviceInUse, InvalidInput
 from core.schemas import Device, Job, JobStatus
 
 OFFLINE_FORGET_S = 7 * 24 * 3600
+
+
+def new_instance(pid: int) -> str:
+    """A worker process's instance token: its pid, then random bytes (the pid lets a successor on
+    the same host tell that this process is gone, `instance_pid`; the rest makes it unique)."""
+    return f"{pid}.{secrets.token_hex(8)}"
+
+
+def instance_pid(instance: str) -> int | None:
+    """The pid an instance token names; None for a token without one (an older worker's)."""
+    pid, dot, _ = instance.partition(".")
+    return int(pid) if dot and pid.isdigit() else None
 
 # Write the state record and refresh the alive key, only if this instance still owns the device
 # (or it lapsed and nobody took it: a heartbeat that stalled past the TTL takes it back).

@@ -15,7 +15,7 @@ from core import keys
 from core.datasets import DatasetCatalog, DatasetRecord, builtin_classes
 from core.devices import DeviceRegistry
 from core.errors import InvalidInput, NotFound
-from core.jobs import JobStore
+from core.jobs import JobStore, body_digest
 from core.lineage import record_dependent, trained_source
 from core.schemas import EvaluateSpec, Evaluation, Job, JobKind
 from core.storage import CheckpointPaths
@@ -36,6 +36,10 @@ class Evaluations:
     def submit(self, job_id: str, spec: EvaluateSpec, idempotency_key: str | None = None) -> tuple[Evaluation, bool]:
         """Queue an evaluation of `job_id`'s checkpoint on `spec.dataset`. 404 unknown job, 409 a job
         without a checkpoint (yet), 422 a dataset that is unknown, unavailable or has other classes."""
+        digest = body_digest(JobKind.evaluate, {"job": job_id, **spec.model_dump(mode="json")})
+        earlier = self.store.replay(idempotency_key, digest)
+        if earlier is not None:  # a retry: its evaluation, whatever changed since it was checked
+            return self.view(earlier), False
         trained = trained_source(self.store, self.paths, job_id, "to evaluate")
         dataset = self.catalog.resolve(spec.dataset)
         if not dataset.available:
@@ -47,7 +51,7 @@ class Evaluations:
         job, created = self.store.create(model=trained.model, dataset=dataset.id,
                                          params={"trained_job": job_id, "batch_size": spec.batch_size},
                                          requested_device=device, idempotency_key=idempotency_key,
-                                         kind=JobKind.evaluate)
+                                         kind=JobKind.evaluate, body_digest=digest)
         if created:
             self.store.redis.zadd(keys.job_evaluations(job_id), {job.id: time.time()})
             record_dependent(self.store.redis, job_id, job.id)

@@ -42,7 +42,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -176,6 +176,13 @@ def request_fingerprint(kind: JobKind, model: str, dataset: str, params: Mapping
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+def body_digest(kind: JobKind, body: Mapping[str, Any]) -> str:
+    """A digest of a request as its client sent it (the validated body, before any default is
+    resolved): a retry of it is answered by `JobStore.replay` without checking it again."""
+    canonical = json.dumps({"kind": kind.value, "body": dict(body)}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def _parse_idempotency(value: str) -> tuple[str, str | None]:
     """(job id, request digest). A first-wave value is a bare job id, bound to no request."""
     try:
@@ -205,11 +212,13 @@ class JobStore:
 
     # ------------------------------------------------------------------ create and read
     def create(self, *, model: str, dataset: str, params: dict[str, Any], requested_device: str,
-               idempotency_key: str | None = None, kind: JobKind = JobKind.train) -> tuple[Job, bool]:
+               idempotency_key: str | None = None, kind: JobKind = JobKind.train,
+               body_digest: str | None = None) -> tuple[Job, bool]:
         """Record a queued job and dispatch it. Returns (job, created); a repeated key returns the first.
 
         One transaction writes the record, its indexes, its first event, the dispatch intent
-        and the Idempotency-Key: a crash can leave all of them or none."""
+        and the Idempotency-Key (with `body_digest`, the request as sent: `replay` answers a
+        retry of it before anything is validated again): a crash can leave all of them or none."""
         if idempotency_key is not None and len(idempotency_key) > MAX_IDEMPOTENCY_KEY:
             raise InvalidInput(f"Idempotency-Key is longer than {MAX_IDEMPOTENCY_KEY} characters")
         idem_key = keys.idempotency(idempotency_key) if idempotency_key else None
@@ -245,7 +254,8 @@ class JobStore:
             pipe.zadd(keys.jobs_with_status(JobStatus.queued.value), {job_id: 0})
             pipe.zadd(keys.DISPATCH_DUE, {job_id: now + self.dispatch_grace_s})
             if idem_key:
-                pipe.set(idem_key, json.dumps({"job": job_id, "request": fingerprint}), ex=IDEMPOTENCY_TTL_S)
+                pipe.set(idem_key, json.dumps({"job": job_id, "request": fingerprint, "body": body_digest}),
+                         ex=IDEMPOTENCY_TTL_S)
             self._event(pipe, job_id, "status", {"status": "queued", "attempts": 0})
 
         if idem_key:
@@ -259,6 +269,25 @@ class JobStore:
         job = self.get(job_id)  # as created: an idle worker may claim it as soon as it is sent
         self._send(TrainDelivery(job_id, token, queue))
         return job, True
+
+    def replay(self, idempotency_key: str | None, body_digest: str) -> Job | None:
+        """The job an earlier request with this key and this very body created, if it still exists.
+
+        Looked up before the request is validated again: a retry must get its job even after what
+        the first request was checked against changed (its dataset deleted, its parent job gone)."""
+        if not idempotency_key or len(idempotency_key) > MAX_IDEMPOTENCY_KEY:
+            return None
+        raw = self.redis.get(keys.idempotency(idempotency_key))
+        try:
+            doc = json.loads(raw) if raw else None
+        except ValueError:
+            return None
+        if not isinstance(doc, dict) or doc.get("body") != body_digest or not isinstance(doc.get("job"), str):
+            return None
+        try:
+            return self.get(doc["job"])
+        except NotFound:
+            return None
 
     def get(self, job_id: str) -> Job:
         return Job.model_validate(_decode(self._raw(job_id)))
@@ -518,6 +547,22 @@ class JobStore:
             self.redis.hincrby(keys.RECOVERY_STATS, "expired_leases", len(swept))
         return swept
 
+    def take_back_from_dead(self, worker: str, instance: str, is_dead: Callable[[str], bool]) -> list[str]:
+        """Requeue at once the running jobs that an earlier process of `worker` (this worker's name:
+        the same device on the same host) claimed and that `is_dead` says is gone: a worker
+        restarted after a crash resumes its job now, not a lease TTL later. Any other worker's
+        jobs, another host's above all, are left to their leases."""
+        taken: list[str] = []
+        for job_id in self.redis.zrange(keys.jobs_with_status(JobStatus.running.value), 0, -1):
+            holder, claimed_by = self.redis.hmget(keys.job(job_id), ["worker", "claimed_by"])
+            if holder != worker or not claimed_by or claimed_by == instance or not is_dead(claimed_by):
+                continue
+            if self._back_to_queue(job_id, f"its worker process ({worker}) died", claimed_by=claimed_by):
+                taken.append(job_id)
+        if taken:
+            self.redis.hincrby(keys.RECOVERY_STATS, "taken_back_after_crash", len(taken))
+        return taken
+
     def reconcile_dispatch(self, now: float | None = None) -> list[str]:
         """Re-send the current delivery of every queued job that is overdue (not claimed within
         `dispatch_grace_s` of being queued) and whose message is not waiting in its queue.
@@ -581,10 +626,11 @@ class JobStore:
         return {k: int(v) for k, v in self.redis.hgetall(keys.RECOVERY_STATS).items()}
 
     def _back_to_queue(self, job_id: str, reason: str, *, token: str | None = None,
-                       expired_by: float | None = None) -> bool:
+                       expired_by: float | None = None, claimed_by: str | None = None) -> bool:
         """Put a running job back to `queued` with a fresh delivery token and a dispatch intent, or
         fail it when it has had `max_attempts` deliveries. Either `token` (the delivery giving the
-        job back must still own it) or `expired_by` (its lease must have expired by then)."""
+        job back must still own it), `expired_by` (its lease must have expired by then) or
+        `claimed_by` (the worker process that claimed it must still be the one: it died)."""
         key = keys.job(job_id)
         decided: list[tuple[bool, TrainDelivery | None]] = []
 
@@ -599,6 +645,9 @@ class JobStore:
                 decided.append((False, None))
                 return
             if token is not None and raw.get("delivery") != token:
+                decided.append((False, None))
+                return
+            if claimed_by is not None and raw.get("claimed_by") != claimed_by:
                 decided.append((False, None))
                 return
             if expired_by is not None and (expiry is None or expiry > expired_by):

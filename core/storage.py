@@ -54,6 +54,24 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def fsync_tree(root: Path) -> None:
+    """Every file and folder under `root`, and `root` itself, on disk: what a record about to be
+    written will point at (an extracted dataset) must survive a power loss the record survives."""
+    for directory, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(directory))
+
+
+def fsync_dir(directory: Path) -> None:
+    """A folder's entries on disk (a rename into it, a file created in it)."""
+    _fsync_dir(directory)
+
+
 def _fsync_dir(directory: Path) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)

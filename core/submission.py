@@ -15,7 +15,7 @@ from core.config import Settings
 from core.datasets import DatasetCatalog, DatasetRecord, split_sizes
 from core.devices import DeviceRegistry
 from core.errors import InvalidInput, NotFound
-from core.jobs import JobStore
+from core.jobs import JobStore, body_digest
 from core.lineage import record_dependent
 from core.params import resolve_params
 from core.schemas import Device, Job, JobKind, JobSpec, JobStatus
@@ -34,6 +34,10 @@ class JobSubmission:
 
     def submit(self, spec: JobSpec, idempotency_key: str | None = None) -> tuple[Job, bool]:
         """The job as created (and True), or the earlier job of the same Idempotency-Key (and False)."""
+        digest = body_digest(spec.kind, spec.model_dump(mode="json"))
+        earlier = self.store.replay(idempotency_key, digest)
+        if earlier is not None:  # a retry: its job, whatever changed since it was checked
+            return earlier, False
         parent = self._parent(spec) if spec.init_from else None
         params = resolve_params(spec, parent)
         if params.pretrained:
@@ -45,7 +49,8 @@ class JobSubmission:
         device = self.devices.validate_request(spec.device)
         check_admission(job_shape(spec.model, dataset, params), self._eligible(device), self.settings)
         job, created = self.store.create(model=spec.model, dataset=dataset.id, params=params.model_dump(),
-                                         requested_device=device, idempotency_key=idempotency_key, kind=spec.kind)
+                                         requested_device=device, idempotency_key=idempotency_key, kind=spec.kind,
+                                         body_digest=digest)
         if created and parent is not None:
             record_dependent(self.store.redis, parent.id, job.id)
         return job, created

@@ -48,6 +48,7 @@ import time
 import uuid
 import zipfile
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,19 +196,41 @@ class Stack:
         self.up: subprocess.Popen | None = None
         self.worker_b: subprocess.Popen | None = None
         self.frozen: set[int] = set()
+        # Every process of the stack is started by this one thread, which lives until `stop`: the
+        # parent-death signal (app/process.die_with_parent) is armed for the *thread* that forks,
+        # so a worker started by a thread that then ended (the fault loop, the soak's supervisor
+        # once the faults stop) would get SIGTERM from the kernel while it starts.
+        self._spawner = ThreadPoolExecutor(1, thread_name_prefix="chaos-spawner")
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
+        self._restart = threading.Lock()  # the supervisor, the fault loop and the end of the run restart it
+
+    def _spawn(self, argv: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen:
+        def start() -> subprocess.Popen:
+            return subprocess.Popen(argv, cwd=REPO, env=env, stdout=open(self.logs / log_name, "ab"),
+                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+
+        return self._spawner.submit(start).result()
 
     def start(self) -> None:
         env = {**self.env, "TORCHYARD_NODE_NAME": "chaos-a", "TORCHYARD_DEVICE_FAULT_FILE": str(self.fault_files["chaos-a"])}
-        self.up = subprocess.Popen([sys.executable, "-m", "app.cli", "up"], cwd=REPO, env=env,
-                                   stdout=open(self.logs / "up.log", "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                                   start_new_session=True, preexec_fn=die_with_parent)
+        self.up = self._spawn([sys.executable, "-m", "app.cli", "up"], env, "up.log")
 
     def start_worker_b(self) -> None:
         env = {**self.env, "TORCHYARD_NODE_NAME": "chaos-b", "TORCHYARD_REDIS_URL": self.redis_url,
                "TORCHYARD_DEVICE_FAULT_FILE": str(self.fault_files["chaos-b"])}
-        self.worker_b = subprocess.Popen([sys.executable, "-m", "app.cli", "worker", "--device", "cpu"], cwd=REPO,
-                                         env=env, stdout=open(self.logs / "worker-b.log", "ab"),  # noqa: SIM115
-                                         stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
+        self.worker_b = self._spawn([sys.executable, "-m", "app.cli", "worker", "--device", "cpu"], env,
+                                    "worker-b.log")
+
+    def supervise_worker_b(self) -> None:
+        """The second host's supervisor, until the stack stops (not when the faults stop: the last
+        fault's recovery may still need a restart)."""
+        def watch() -> None:
+            while not self._stopping.wait(1.0):
+                self.keep_worker_b()
+
+        self._supervisor = threading.Thread(target=watch, daemon=True, name="worker-b-supervisor")
+        self._supervisor.start()
 
     def wait_for_redis(self, timeout: float) -> bool:
         import redis
@@ -227,9 +250,10 @@ class Stack:
 
     def keep_worker_b(self) -> None:
         """The second host's supervisor: start chaos-b again when it died."""
-        if self.worker_b is not None and self.worker_b.poll() is not None:
-            log(f"worker chaos-b exited with {self.worker_b.returncode}; restarting it")
-            self.start_worker_b()
+        with self._restart:
+            if self.worker_b is not None and self.worker_b.poll() is not None:
+                log(f"worker chaos-b exited with {self.worker_b.returncode}; restarting it")
+                self.start_worker_b()
 
     def processes(self) -> dict[str, psutil.Process]:
         """The live targets: redis, api, worker-a (children of `up`), worker-b."""
@@ -269,6 +293,9 @@ class Stack:
         self.frozen.clear()
 
     def stop(self) -> None:
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join()
         self.thaw_all()
         for proc in (self.worker_b, self.up):
             if proc is not None and proc.poll() is None:
@@ -281,6 +308,7 @@ class Stack:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        self._spawner.shutdown()
 
 
 class Chaos:
@@ -449,17 +477,12 @@ class Chaos:
             else:
                 log(f"  recovered in {fault.recovery_s:.1f} s")
 
-    def supervise_worker_b(self) -> None:
-        while not self.stop_event.wait(1.0):
-            self.stack.keep_worker_b()
-
     # ------------------------------------------------------------------ the run
     def run(self) -> Report:
         started = time.monotonic()
         self.upload_dataset()
         threads = [threading.Thread(target=self.submitter, daemon=True, name="submitter"),
-                   threading.Thread(target=self.fault_loop, daemon=True, name="faults"),
-                   threading.Thread(target=self.supervise_worker_b, daemon=True, name="worker-b")]
+                   threading.Thread(target=self.fault_loop, daemon=True, name="faults")]
         for thread in threads:
             thread.start()
         while time.monotonic() - started < self.args.max_seconds:
@@ -632,6 +655,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         if stack.wait_for_redis(60):  # the second host starts as soon as there is a Redis to join
             stack.start_worker_b()
+            stack.supervise_worker_b()
         if chaos.wait_ready(240) is None:
             log("the stack did not become ready; see the logs in " + str(stack.logs))
             return 2

@@ -5,4 +5,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-.venv/bin/python}"
 [ -x "$python" ] || python=python3
-exec "$python" scripts/gpu_smoke.py "$@"
+"$python" scripts/gpu_smoke.py "$@"
+# The tests that need CUDA (skipped everywhere else): fp16 GradScaler resume, the serving graph
+# traced on the GPU, pinned staging buffers and their events, a provoked device-side assert.
+if command -v nvidia-smi >/dev/null 2>&1; then
+    "$python" -m pytest -m gpu -q -rs tests
+else
+    echo "no nvidia-smi: the gpu-marked tests were not run"
+fi

@@ -2,8 +2,9 @@
 
 Starts `torchyard up` (embedded Redis, the API, one worker per GPU) on a fresh data dir, trains
 cifar_net and resnet18 on the synthetic `fake` dataset on CUDA, predicts with each, checks that
-/devices names the real GPU with its memory, that each job ran on CUDA with bf16 autocast and
-channels_last recorded, that each checkpoint loads in a CPU-only process, prints training
+/devices names the real GPU with its memory, that each job ran on CUDA with the precision its
+compute capability calls for (bf16 autocast from 8.0, fp16 with a GradScaler on 7.x) and
+channels_last, that each model was served by its traced graph (none fell back to eager), that each checkpoint loads in a CPU-only process, prints training
 images/s, then stops everything and checks that nothing it started is left running.
 
     scripts/gpu-smoke.sh                      # on a GPU machine
@@ -91,6 +92,25 @@ def load_on_cpu_only(path: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def compute_capability(pinned: str) -> tuple[int, int]:
+    """The compute capability of the GPU a worker was pinned to (its CUDA_VISIBLE_DEVICES entry: an
+    index in PCI order, or a UUID), asked of torch in a fresh process pinned the same way."""
+    code = "import torch; print(*torch.cuda.get_device_capability(0))"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": pinned, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise SmokeFailure(f"could not read the compute capability of GPU {pinned}:\n{out.stderr}")
+    major, minor = out.stdout.split()
+    return int(major), int(minor)
+
+
+def expected_amp_dtype(capability: tuple[int, int]) -> str | None:
+    """worker/recipe.choose_precision's rule, restated: bf16 from 8.0, fp16 on 7.x, none before."""
+    if capability >= (8, 0):
+        return "bfloat16"
+    return "float16" if capability >= (7, 0) else None
+
+
 def run(args: argparse.Namespace) -> int:
     has_gpu = shutil.which("nvidia-smi") is not None
     if not has_gpu and not args.allow_cpu:
@@ -131,10 +151,11 @@ def run(args: argparse.Namespace) -> int:
             check(device["name"] and device["memory_total_bytes"] > 0,
                   f"{device['id']} has a name ({device['name']}) and memory ({device['memory_total_bytes']} bytes)")
             if gpu_mode:
-                check(device["id"].endswith(f"/cuda:{device['index']}") and device["worker"].startswith("gpu"),
-                      f"{device['id']} is named by its physical index, worker {device['worker']}")
-                check(device["cuda_visible_devices"] == str(device["index"]),
-                      f"{device['worker']} pinned with CUDA_VISIBLE_DEVICES={device['index']}")
+                named = device["index"] if device["index"] is not None else device["cuda_visible_devices"]
+                check(device["id"].endswith(f"/cuda:{named}"),
+                      f"{device['id']} is named by its physical index (or UUID), worker {device['worker']}")
+                check(device["cuda_visible_devices"] == str(named),
+                      f"{device['worker']} pinned with CUDA_VISIBLE_DEVICES={named}")
 
         for model in args.models:
             spec = {"model": model, "dataset": "fake", "epochs": args.epochs, "device": kind}
@@ -151,6 +172,14 @@ def run(args: argparse.Namespace) -> int:
                 check("amp_dtype" in params and "channels_last" in params,
                       f"{model} recorded amp_dtype={params.get('amp_dtype')} channels_last={params.get('channels_last')}")
                 check(params.get("channels_last") is True, f"{model} used channels_last")
+                ran_on = next(d for d in mine if d["id"] == job["device"])
+                capability = compute_capability(str(ran_on["cuda_visible_devices"]))
+                wanted = expected_amp_dtype(capability)
+                check(params.get("amp_dtype") == wanted,
+                      f"{model} on compute capability {capability[0]}.{capability[1]} trained with amp_dtype "
+                      f"{params.get('amp_dtype')} (wanted {wanted})")
+                check(params.get("grad_scaler") is (wanted == "float16"),
+                      f"{model}'s GradScaler {'on' if params.get('grad_scaler') else 'off'} for {wanted}")
             else:
                 check(job["device"].endswith("/cpu"), f"{model} ran on {job['device']}")
                 check("amp_dtype" in params and "channels_last" in params, f"{model} recorded amp/channels_last")
@@ -166,6 +195,18 @@ def run(args: argparse.Namespace) -> int:
             check(answer.status_code == 200, f"{model} predicted ({answer.status_code} {answer.text[:200]})")
             body = answer.json()
             check(body["device"] == job["device"], f"{model} prediction served on {body['device']}")
+            if gpu_mode:
+                # The heartbeat's inference stats count the models served eagerly (their trace was
+                # refused: worker/forward_graph.py); a GPU model must be served by its traced graph.
+                def served(device_id: str = job["device"]) -> dict | None:
+                    record = next((d for d in client.get("/devices").json()["devices"] if d["id"] == device_id), None)
+                    cache = ((record or {}).get("inference") or {}).get("cache") or {}
+                    return cache if cache.get("loads", 0) >= 1 else None
+
+                cache = wait_for(served, 30, f"{job['device']}'s heartbeat to show the loaded model")
+                check(cache.get("eager") == 0,
+                      f"{model} served by its traced graph on the GPU (eager models on {job['device']}: "
+                      f"{cache.get('eager')}; the worker's log says why)")
 
             download = client.get(f"/jobs/{job_id}/checkpoint")
             check(download.status_code == 200, f"{model} checkpoint downloads ({len(download.content)} bytes)")

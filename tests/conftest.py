@@ -14,6 +14,17 @@ from app.embedded_redis import EmbeddedRedis
 from tests.support import TEST_DB, Processes, flush, free_port, wait_until, with_db
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked `gpu` need CUDA: skipped, saying so, where torch sees no GPU (torch is imported
+    only for them, so a run without any stays light)."""
+    if item.get_closest_marker("gpu") is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA: no GPU is visible to torch here (docs/gpu.md: the GPU tests)")
+
+
 @pytest.fixture(scope="session")
 def redis_base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     configured = os.environ.get("TORCHYARD_REDIS_URL")

@@ -11,22 +11,35 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from core.config import gpu_selector
+
 
 class PinningError(RuntimeError):
-    pass
+    """A device choice that cannot work: the worker says why and exits 2 (never a restart loop)."""
+
+
+def _check_entry(entry: str, where: str) -> str:
+    """An entry of CUDA_VISIBLE_DEVICES this worker can be pinned to and named by: an index or a UUID."""
+    if entry.isdigit() or gpu_selector(entry):
+        return entry
+    raise PinningError(f"{where}: {entry!r} is neither a GPU index nor a GPU-/MIG- UUID (see `nvidia-smi -L`; "
+                       f"the older MIG-GPU-<uuid>/<gi>/<ci> form is not supported: use the MIG UUID)")
 
 
 @dataclass(frozen=True)
 class DeviceChoice:
-    """What `--device` asked for: a GPU index (as the worker's environment numbers it) or the CPU."""
+    """What `--device` asked for: a GPU index (as the worker's environment numbers it), a GPU or MIG
+    UUID (`selector`), or the CPU."""
 
     kind: Literal["cuda", "cpu"]
     local_index: int | None
+    selector: str | None = None
 
     @classmethod
     def parse(cls, value: str) -> DeviceChoice:
@@ -34,7 +47,10 @@ class DeviceChoice:
             return cls("cpu", None)
         if value.isdigit():
             return cls("cuda", int(value))
-        raise PinningError(f"--device takes a GPU index (0, 1, ...) or 'cpu', not {value!r}")
+        if selector := gpu_selector(value):
+            return cls("cuda", None, selector)
+        raise PinningError(f"--device takes a GPU index (0, 1, ...), a GPU-/MIG- UUID (`nvidia-smi -L`) or "
+                           f"'cpu', not {value!r}")
 
 
 PINNED_MARKER = "TORCHYARD_PINNED"
@@ -45,7 +61,7 @@ def pinned_environment(choice: DeviceChoice, environ: Mapping[str, str]) -> dict
     if choice.kind == "cpu":
         visible = ""
     else:
-        visible = _visible_entry(choice.local_index, environ.get("CUDA_VISIBLE_DEVICES"))
+        visible = _visible_entry(choice, environ.get("CUDA_VISIBLE_DEVICES"))
     return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": visible}
 
 
@@ -106,16 +122,27 @@ def exec_pinned(device_arg: str, choice: DeviceChoice) -> None:
     os.execve(sys.executable, [sys.executable, "-m", "app.cli", "worker", "--device", device_arg], env)
 
 
-def _visible_entry(index: int | None, outer: str | None) -> str:
-    """Index N within what this process may already see (a container or an outer CUDA_VISIBLE_DEVICES)."""
-    if outer:
-        entries = [e.strip() for e in outer.split(",") if e.strip()]
-        if index is not None and index >= len(entries):
-            raise PinningError(f"--device {index}: CUDA_VISIBLE_DEVICES={outer!r} shows this process only "
-                               f"{len(entries)} GPU(s), numbered from 0")
-        if index is not None:
-            return entries[index]
-    return str(index)
+def _visible_entry(choice: DeviceChoice, outer: str | None) -> str:
+    """The GPU `choice` names within what this process may already see (a container or an outer
+    CUDA_VISIBLE_DEVICES): the N-th entry for index N, the UUID itself when it is among them.
+    An empty CUDA_VISIBLE_DEVICES is not "unset": it shows this process no GPU at all."""
+    if outer is None:
+        return choice.selector or str(choice.local_index)
+    entries = [e.strip() for e in outer.split(",") if e.strip()]
+    asked = f"--device {choice.selector or choice.local_index}"
+    if not entries or entries == ["-1"]:
+        raise PinningError(f"{asked}: CUDA_VISIBLE_DEVICES={outer!r} shows this process no GPU; unset it, or "
+                           f"run a CPU worker (--device cpu)")
+    if choice.selector is not None:
+        if choice.selector not in entries:
+            raise PinningError(f"{asked}: that GPU is not among CUDA_VISIBLE_DEVICES={outer!r}, which this "
+                               f"process may see; name it by its index there (0 to {len(entries) - 1})")
+        return choice.selector
+    assert choice.local_index is not None
+    if choice.local_index >= len(entries):
+        raise PinningError(f"{asked}: CUDA_VISIBLE_DEVICES={outer!r} shows this process only "
+                           f"{len(entries)} GPU(s), numbered from 0")
+    return _check_entry(entries[choice.local_index], f"{asked}: CUDA_VISIBLE_DEVICES={outer!r}")
 
 
 @dataclass(frozen=True)
@@ -123,16 +150,21 @@ class WorkerDevice:
     """The device this worker owns, named as the API reports it."""
 
     kind: Literal["cuda", "cpu"]
-    index: int | None  # physical GPU index (host numbering); None for the CPU
+    index: int | None  # physical GPU index (host numbering); None for the CPU, or a GPU known by its UUID
     node: str
+    selector: str | None = None  # the GPU-/MIG- UUID that names a GPU whose host index is not known
 
     @property
     def id(self) -> str:
-        return f"{self.node}/cpu" if self.kind == "cpu" else f"{self.node}/cuda:{self.index}"
+        if self.kind == "cpu":
+            return f"{self.node}/cpu"
+        return f"{self.node}/cuda:{self.index if self.index is not None else self.selector}"
 
     @property
     def worker_name(self) -> str:
-        return f"cpu@{self.node}" if self.kind == "cpu" else f"gpu{self.index}@{self.node}"
+        if self.kind == "cpu":
+            return f"cpu@{self.node}"
+        return f"gpu{self.index}@{self.node}" if self.index is not None else f"{self.selector}@{self.node}"
 
     @property
     def torch_device(self) -> str:
@@ -141,12 +173,14 @@ class WorkerDevice:
 
 def resolve_worker_device(choice: DeviceChoice, node: str, host_gpu_index: int | None,
                           environ: Mapping[str, str] | None = None) -> WorkerDevice:
-    """The physical (host) index of the pinned GPU, which names the device and the worker.
+    """The physical (host) index of the pinned GPU, or its UUID, which names the device and the worker.
 
     In order: TORCHYARD_HOST_GPU_INDEX (a container runtime renumbered the GPU to 0); else a single
-    integer in NVIDIA_VISIBLE_DEVICES for `--device 0` (how the NVIDIA runtime was told which host
-    GPU to show, e.g. `docker run -e NVIDIA_VISIBLE_DEVICES=2`); else the pinned
-    CUDA_VISIBLE_DEVICES entry; else the `--device` index itself."""
+    integer or UUID in NVIDIA_VISIBLE_DEVICES for `--device 0` (how the NVIDIA runtime was told
+    which host GPU to show, e.g. `docker run -e NVIDIA_VISIBLE_DEVICES=2`); else the pinned
+    CUDA_VISIBLE_DEVICES entry (an index, or a GPU-/MIG- UUID: `up` pins each worker to one entry of
+    an outer CUDA_VISIBLE_DEVICES, and UUIDs there gave every worker the name cuda:0 before);
+    else the `--device` index itself."""
     environ = os.environ if environ is None else environ
     if choice.kind == "cpu":
         return WorkerDevice("cpu", None, node)
@@ -155,9 +189,16 @@ def resolve_worker_device(choice: DeviceChoice, node: str, host_gpu_index: int |
     nvidia = environ.get("NVIDIA_VISIBLE_DEVICES", "").strip()
     if choice.local_index == 0 and nvidia.isdigit():
         return WorkerDevice("cuda", int(nvidia), node)
+    if choice.local_index == 0 and gpu_selector(nvidia):
+        return WorkerDevice("cuda", None, node, selector=nvidia)
     pinned = environ.get("CUDA_VISIBLE_DEVICES", "").strip()
-    index = int(pinned) if pinned.isdigit() else choice.local_index
-    return WorkerDevice("cuda", index, node)
+    if pinned.isdigit():
+        return WorkerDevice("cuda", int(pinned), node)
+    if gpu_selector(pinned):
+        return WorkerDevice("cuda", None, node, selector=pinned)
+    if choice.selector is not None:
+        return WorkerDevice("cuda", None, node, selector=choice.selector)
+    return WorkerDevice("cuda", choice.local_index, node)
 
 
 def check_cuda(device: WorkerDevice) -> None:
@@ -166,7 +207,7 @@ def check_cuda(device: WorkerDevice) -> None:
 
     if device.kind == "cuda" and not torch.cuda.is_available():
         raise PinningError(
-            f"GPU worker for GPU {device.index}: no CUDA device is visible with CUDA_VISIBLE_DEVICES="
+            f"GPU worker for GPU {device.index if device.index is not None else device.selector}: no CUDA device is visible with CUDA_VISIBLE_DEVICES="
             f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r} (torch {torch.__version__}, "
             f"CUDA build {torch.version.cuda}); refusing to fall back to the CPU. "
             f"Use --device cpu on a machine without GPUs.")
@@ -214,34 +255,49 @@ def host_memory_total() -> int:
     return total
 
 
-_nvml_handle: Any = None
-_nvml_failed = False
+# After NVML could not be read, it is tried again this much later (a driver reloaded, a transient
+# NVML error): never once per heartbeat, never given up for the process's life.
+NVML_RETRY_S = 60.0
 
 
-def _nvml_utilization() -> float | None:
+class NvmlUtilization:
     """GPU utilisation from NVML (the optional `gpu` extra, nvidia-ml-py); None where unavailable.
 
-    NVML numbers GPUs its own way, so the handle is found by the UUID torch reports for cuda:0,
-    looked up once per process."""
-    global _nvml_handle, _nvml_failed
-    if _nvml_failed:
-        return None
-    try:
-        import pynvml  # nvidia-ml-py, optional
+    NVML numbers GPUs its own way, so the handle is found by the UUID torch reports for cuda:0.
+    A failure (no pynvml, no driver library, MIG, a transient NVML error) answers None and is
+    retried `retry_after_s` later, with a fresh handle: it does not latch for the process's life."""
 
-        if _nvml_handle is None:
-            import torch
+    def __init__(self, retry_after_s: float = NVML_RETRY_S) -> None:
+        self.retry_after_s = retry_after_s
+        self.attempts = 0  # reads tried, failed ones included (the retry rule's test counts them)
+        self._handle: Any = None
+        self._retry_at = 0.0
 
-            pynvml.nvmlInit()
-            uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "") or "")
-            if uuid:
-                _nvml_handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-            else:
-                _nvml_handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-        return float(pynvml.nvmlDeviceGetUtilizationRates(_nvml_handle).gpu)
-    except Exception:  # no pynvml, no driver library, MIG, ...: utilisation is simply unknown
-        _nvml_failed = True
-        return None
+    def __call__(self) -> float | None:
+        if time.monotonic() < self._retry_at:
+            return None
+        self.attempts += 1
+        try:
+            import pynvml  # nvidia-ml-py, optional
+
+            if self._handle is None:
+                import torch
+
+                pynvml.nvmlInit()
+                uuid = str(getattr(torch.cuda.get_device_properties(0), "uuid", "") or "")
+                if uuid:
+                    self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-"))
+                                                                    else f"GPU-{uuid}")
+                else:
+                    self._handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            return float(pynvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+        except Exception:
+            self._handle = None
+            self._retry_at = time.monotonic() + self.retry_after_s
+            return None
+
+
+_nvml_utilization = NvmlUtilization()
 
 
 def _cpu_name() -> str:

@@ -43,6 +43,10 @@ STICKY_DEVICE_ERRORS = (
 # The device could not be described (mem_get_info, NVML) this many beats in a row.
 MAX_PROBE_FAILURES = 3
 DEFAULT_INJECTED_ERROR = "CUDA error: an illegal memory access was encountered"
+# The fault file's content that makes a CUDA worker break its context for real, with a
+# device-side assert (an out-of-range index); a CPU worker raises that error's text instead.
+PROVOKE_DEVICE_ASSERT = "provoke: device-side assert"
+DEVICE_ASSERT_ERROR = "CUDA error: device-side assert triggered"
 
 
 def sticky_device_error(exc: BaseException) -> str | None:
@@ -59,6 +63,19 @@ def sticky_device_error(exc: BaseException) -> str | None:
     return None
 
 
+def provoke_device_side_assert(device: str) -> None:
+    """Index past the end of a tensor on the GPU: the indexing kernel's bounds check fails on the
+    device (a device-side assert), after which the process's CUDA context is unusable. The launch
+    is asynchronous, so the error surfaces at the synchronisation (RuntimeError "CUDA error:
+    device-side assert triggered"), raised here into the job's step like any sticky error."""
+    import torch
+
+    values = torch.zeros(1, device=device)
+    values[torch.full((1,), 2, dtype=torch.long, device=device)].sum().item()
+    torch.cuda.synchronize(device)
+    raise RuntimeError(f"{DEVICE_ASSERT_ERROR} (expected: it was provoked, yet CUDA reported nothing)")
+
+
 class InjectedDeviceFault(RuntimeError):
     """The CPU twin's broken device: raised mid-step when the fault file appears (tests, chaos)."""
 
@@ -66,8 +83,10 @@ class InjectedDeviceFault(RuntimeError):
 class DeviceHealth:
     """The worker's verdict on its device, shared by the job runner and the heartbeat threads."""
 
-    def __init__(self, fault_file: Path | None = None, max_probe_failures: int = MAX_PROBE_FAILURES) -> None:
+    def __init__(self, fault_file: Path | None = None, max_probe_failures: int = MAX_PROBE_FAILURES, *,
+                 torch_device: str = "cpu") -> None:
         self.fault_file = fault_file
+        self.torch_device = torch_device  # where `inject_fault` provokes a real device-side assert
         self.max_probe_failures = max_probe_failures
         self._lock = threading.Lock()
         self._broken: str | None = None
@@ -103,8 +122,9 @@ class DeviceHealth:
             self._probe_failures = 0
 
     def inject_fault(self) -> None:
-        """CPU twin (tests and `make chaos` only): if the fault file exists, consume it and raise
-        the CUDA error it holds, as a sticky error raised mid-step would. Off when unset."""
+        """Tests and `make chaos` only: if the fault file exists, consume it and raise the CUDA error
+        it holds, as a sticky error raised mid-step would (the CPU twin). PROVOKE_DEVICE_ASSERT on a
+        CUDA worker breaks its context for real instead (the GPU tests). Off when unset."""
         if self.fault_file is None:
             return
         try:
@@ -112,6 +132,10 @@ class DeviceHealth:
             self.fault_file.unlink()
         except FileNotFoundError:
             return
+        if message == PROVOKE_DEVICE_ASSERT:
+            if self.torch_device.startswith("cuda"):
+                provoke_device_side_assert(self.torch_device)
+            message = DEVICE_ASSERT_ERROR
         raise InjectedDeviceFault(message)
 
     def _mark_broken(self, reason: str) -> None:

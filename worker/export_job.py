@@ -13,7 +13,8 @@ later. Both run on the CPU, whatever the worker's device: the file is for other 
 
 Parity: before the job succeeds, the written file is loaded back (torch.jit.load, or an
 onnxruntime session) and run on a batch of real inputs (images of the job's own dataset, through
-the same transform as training and /predict; synthetic ones only when the dataset is gone) and on
+the same transform as training and /predict, only the PARITY_INPUTS checked decoded, whatever the
+dataset's size; synthetic ones only when the dataset is gone) and on
 a batch of one; its probabilities must match the checkpoint's within PARITY_TOLERANCE, else the
 job fails with the measured difference. A worker that dies mid-export is retried like any job:
 the file is written atomically under the export job's own directory.
@@ -23,23 +24,28 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import nn
 
+from core.config import Settings
+from core.datasets import FAKE_CLASSES, FAKE_IMAGES, DatasetRecord
 from core.errors import NotFound
 from core.exports import UNAVAILABLE_PREFIX, ExportParams, export_path
+from core.images import IMAGE_FORMATS
 from core.schemas import CheckpointInfo, ExportFormat, Job, Progress
 from core.storage import atomic_path, sha256_file
+from worker import thread_warnings
 from worker.checkpoint import ModelMeta, load_model
-from worker.data import DatasetUnavailable, load_dataset
+from worker.data import DatasetUnavailable, _torchvision_class, fake_images
 from worker.forward_graph import ClassifierWithPreprocessing
 from worker.job_context import JobContext, JobFailed, JobOutcome, StopJob
+from worker.preprocess import image_to_array
 
 log = logging.getLogger(__name__)
 
@@ -125,24 +131,24 @@ def _manifest(job: Job, params: ExportParams, meta: ModelMeta) -> dict[str, Any]
 
 
 # ---------------------------------------------------------------------- formats
-def _write_torchscript(model: nn.Module, example: torch.Tensor, path: Path, manifest: dict[str, Any]) -> None:
-    with warnings.catch_warnings():
-        # torch.jit is deprecated in favour of torch.export, yet TorchScript is still what C++ (libtorch),
-        # TorchServe and plain `torch.jit.load` run; its FutureWarnings say nothing about this file.
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        # A warning, as it always was here (the serving graph makes it an error: worker/forward_graph.py);
-        # the export's own parity check on real images judges the file.
-        warnings.simplefilter("default", torch.jit.TracerWarning)
+def _write_torchscript(model: nn.Module, example: torch.Tensor, path: Path, manifest: dict[str, Any]) -> list[str]:
+    """Trace and save; the tracer's warnings of this thread, logged (the export's own parity check
+    on real images judges the file; a serving graph that warns is refused: worker/forward_graph.py).
+    Caught per thread (worker/thread_warnings.py), never by changing the process's filters, which a
+    serving trace on another thread relies on at the same moment. torch.jit's own deprecation
+    notices are ignored there: TorchScript is still what libtorch, TorchServe and `torch.jit.load` run."""
+    with thread_warnings.caught() as found:
         with torch.no_grad():
             traced = torch.jit.trace(model, example, check_trace=False)
         torch.jit.save(traced, str(path), _extra_files={"torchyard.json": json.dumps(manifest)})
+    warned = thread_warnings.tracer_warnings(found)
+    for text in warned:
+        log.warning("export trace: %s", text)
+    return warned
 
 
 def _torchscript_runner(path: Path) -> Callable[[np.ndarray], np.ndarray]:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        warnings.simplefilter("ignore", DeprecationWarning)
+    with thread_warnings.caught():
         loaded = torch.jit.load(str(path), map_location="cpu")
     loaded.eval()
 
@@ -167,11 +173,11 @@ def _write_onnx(model: nn.Module, example: torch.Tensor, path: Path, manifest: d
     import onnx
 
     batch = torch.export.Dim("batch", min=1, max=65536)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with thread_warnings.caught() as found:  # the exporter's chatter, this thread's only, dropped
         torch.onnx.export(model, (example,), str(path), dynamo=True, opset_version=ONNX_OPSET,
                           input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
                           dynamic_shapes={"x": {0: batch}}, external_data=False, verbose=False)
+    log.debug("onnx export: %d warnings dropped", len(found))
     proto = onnx.load(str(path))
     onnx.helper.set_model_props(proto, {"torchyard": json.dumps(manifest), "classes": json.dumps(manifest["classes"])})
     onnx.checker.check_model(proto)
@@ -193,20 +199,65 @@ def _onnx_runner(path: Path) -> Callable[[np.ndarray], np.ndarray]:
 
 # ---------------------------------------------------------------------- parity
 def _parity_inputs(job: Job, meta: ModelMeta, ctx: JobContext) -> tuple[torch.Tensor, str]:
-    """Float32 N×C×H×W in [0, 1]: images of the job's dataset (as training saw them), plus noise."""
+    """Float32 N×C×H×W in [0, 1]: up to PARITY_INPUTS images of the job's dataset (as training saw
+    them), plus noise. Only the images checked are decoded (`_dataset_samples`)."""
     pre = meta.preprocessing
     gen = torch.Generator().manual_seed(0)
     noise = torch.rand(4, pre.channels, pre.height, pre.width, generator=gen)
     try:
         record = ctx.catalog.get(job.dataset)
-        data = load_dataset(record, ctx.settings, pre.channels, pre.height, pre.width, resize_size=pre.resize_size)
+        images = _dataset_samples(record, ctx.settings, meta)
     except (NotFound, DatasetUnavailable) as exc:
         log.warning("job %s: dataset %s unavailable (%s); parity on synthetic inputs", job.id, job.dataset, exc)
         synthetic = torch.rand(PARITY_INPUTS, pre.channels, pre.height, pre.width, generator=gen)
         return torch.cat([synthetic, noise]), f"synthetic: dataset {job.dataset} is unavailable"
-    picks = torch.linspace(0, len(data.images) - 1, min(PARITY_INPUTS, len(data.images))).long()
-    images = data.images[picks].float().div_(255.0)
-    return torch.cat([images, noise]), f"{len(picks)} images of dataset {job.dataset} and {len(noise)} of noise"
+    floats = images.float().div_(255.0)
+    return torch.cat([floats, noise]), f"{len(images)} images of dataset {job.dataset} and {len(noise)} of noise"
+
+
+def _torchvision_test_split(name: str, settings: Settings) -> Any:
+    """A built-in's test split through torchvision's own class (its format and checks), indexable
+    image by image: the smaller split, and any of the dataset's images serves the check."""
+    cls = _torchvision_class(name, settings.verify_builtin_checksums)
+    try:
+        return cls(root=str(settings.builtin_data_dir), train=False, download=settings.allow_download)
+    except Exception as exc:
+        raise DatasetUnavailable(f"dataset {name} is not available: {exc}") from exc
+
+
+def _spread(total: int, count: int) -> list[int]:
+    """`count` indices spread evenly over `total` items (all of them when there are fewer)."""
+    return torch.linspace(0, total - 1, min(count, total)).long().tolist() if total else []
+
+
+def _dataset_samples(record: DatasetRecord, settings: Settings, meta: ModelMeta) -> torch.Tensor:
+    """Up to PARITY_INPUTS images of the dataset at the model's input (uint8 N×C×H×W), spread over
+    it, decoded through the same transform as training: only those, whatever the dataset's size
+    (an upload's other files are listed, not read; a built-in's native arrays are what torchvision
+    holds, not converted to the model's size, which for a 224-pixel model would be ~50× larger)."""
+    pre = meta.preprocessing
+    size = (pre.channels, pre.height, pre.width)
+    if record.kind == "fake":
+        labels = torch.tensor(_spread(FAKE_IMAGES, PARITY_INPUTS)) % len(FAKE_CLASSES)
+        return fake_images(labels, *size, seed=0)
+    if record.kind == "torchvision":
+        data = _torchvision_test_split(record.id, settings)
+        return torch.from_numpy(np.stack([image_to_array(data[i][0], *size, pre.resize_size)
+                                          for i in _spread(len(data), PARITY_INPUTS)]))
+    root = settings.datasets_dir / record.id
+    if not root.is_dir():
+        raise DatasetUnavailable(f"dataset {record.id}'s files are not at {root}")
+    files = sorted(path for path in root.rglob("*") if path.is_file())
+    arrays = []
+    for index in _spread(len(files), PARITY_INPUTS):
+        try:
+            with Image.open(files[index], formats=IMAGE_FORMATS) as image:  # the allowlist (core/images.py)
+                arrays.append(image_to_array(image, *size, pre.resize_size))
+        except (OSError, ValueError, Image.DecompressionBombError) as exc:
+            log.warning("parity: skipping unreadable image %s: %s", files[index], exc)
+    if not arrays:
+        raise DatasetUnavailable(f"dataset {record.id} holds no readable images")
+    return torch.from_numpy(np.stack(arrays))
 
 
 def _parity(model: nn.Module, run: Callable[[np.ndarray], np.ndarray], inputs: torch.Tensor) -> float:

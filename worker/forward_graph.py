@@ -30,7 +30,9 @@ runs a graph without the GIL and without a compiler at run time (inductor needs 
 on every torch from 2.6 on. The graph is traced (the networks have no data-dependent control
 flow; the batch dimension stays dynamic) and shares its parameters with the eager module: no
 second copy on the device. A trace that fails, that the tracer warns may not generalise (a Python
-value read off a tensor, such as a branch on the input, became a constant), or whose
+value read off a tensor, such as a branch on the input, became a constant: the warnings this
+thread raised while tracing, caught by worker/thread_warnings.py, never by the process-global
+filters, which another thread's trace or export could be changing at that moment), or whose
 probabilities differ from the eager module's on a probe batch of another size by more than
 GRAPH_TOLERANCE is not used: the eager module serves, and the worker logs why. Callers run the graph inside `torch.jit.optimized_execution(False)`: the profiling executor
 would otherwise re-specialise it at every new batch size (a 48 ms first call measured for
@@ -40,13 +42,13 @@ resnet18) and its fusers may change the numbers.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from worker import thread_warnings
 from worker.checkpoint import Preprocessing
 
 log = logging.getLogger(__name__)
@@ -97,27 +99,20 @@ def build_forward(network: nn.Module, pre: Preprocessing, device: torch.device |
     generator = torch.Generator().manual_seed(0)
     example, probe = (torch.randint(0, 256, (batch, pre.channels, pre.height, pre.width), dtype=torch.uint8,
                                     generator=generator).to(device) for batch in (EXAMPLE_BATCH, PROBE_BATCH))
-    _configure_trace_warnings()
     try:
-        with torch.no_grad(), torch.jit.optimized_execution(False):
+        with thread_warnings.caught() as found, torch.no_grad(), torch.jit.optimized_execution(False):
             traced = torch.jit.trace(eager, example, check_trace=False)
             difference = (traced(probe) - eager(probe)).abs().max().item()
     except Exception as exc:  # a network the tracer cannot follow is still served, eagerly
         log.warning("serving %s eagerly: tracing it failed (%s: %s)", type(network).__name__, type(exc).__name__, exc)
+        return ForwardGraph(eager, "eager")
+    warned = thread_warnings.tracer_warnings(found)
+    if warned:  # a Python value read off a tensor became a constant: the graph may not generalise
+        log.warning("serving %s eagerly: the tracer warned that its graph may not generalise (%s)",
+                    type(network).__name__, warned[0])
         return ForwardGraph(eager, "eager")
     if not difference <= GRAPH_TOLERANCE:  # NaN included
         log.warning("serving %s eagerly: its traced graph differs from it by %g on a probe batch",
                     type(network).__name__, difference)
         return ForwardGraph(eager, "eager")
     return ForwardGraph(traced, "torchscript")
-
-
-def _configure_trace_warnings() -> None:
-    """For this process, before every trace: torch.jit's deprecation notices silenced, and the
-    tracer's own warning that a Python value read off a tensor became a constant (a branch on the
-    input, a size turned into a number: the graph may not generalise) raised as an error, so
-    `build_forward` falls back to the eager module. Added to the filters, idempotently, never
-    saved and restored: `warnings.catch_warnings` is not thread-safe, and the intake thread and a
-    job's thread may trace at the same moment (one could leave the other's filters behind)."""
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.jit")
-    warnings.filterwarnings("error", category=torch.jit.TracerWarning)

@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import signal
+import sys
 import threading
 from dataclasses import dataclass
+from typing import NoReturn
 
 from core.config import Settings
 from core.datasets import DatasetCatalog
-from core.devices import DeviceRegistry
+from core.devices import DeviceRegistry, instance_pid, new_instance
 from core.jobs import JobStore
 from core.queue import TRAIN_QUEUE, queue_for_device
 from core.redis import connect
@@ -86,12 +87,16 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     store = JobStore(client, dispatcher(celery), lease_ttl_s=settings.lease_ttl_s,
                      max_attempts=settings.max_attempts, dispatch_grace_s=settings.dispatch_grace_s)
     registry = DeviceRegistry(client, settings.heartbeat_ttl_s)
-    instance = secrets.token_hex(8)
+    instance = new_instance(os.getpid())
     registry.acquire(device.id, instance, holder_is_dead=lambda holder: _crashed_here(holder, device))
+    # A predecessor of this worker (same name: same device, same host) that crashed held its job
+    # until the lease expires; its pid is gone, so that job runs again now (docs/reliability.md).
+    for job_id in store.take_back_from_dead(device.worker_name, instance, _instance_gone):
+        log.warning("job %s: its worker process here died; taken back without waiting for its lease", job_id)
 
     state = WorkerState()
     paths = CheckpointPaths(settings.checkpoints_dir)
-    health = DeviceHealth(settings.device_fault_file)
+    health = DeviceHealth(settings.device_fault_file, torch_device=device.torch_device)
     cache = ModelCache(paths, device.torch_device, settings.model_cache_count, settings.model_cache_bytes)
     inference = InferenceServer(client, device, cache, max_batch=settings.predict_max_batch,
                                 max_wait_ms=settings.predict_max_wait_ms, max_pixels=settings.max_image_pixels,
@@ -135,8 +140,31 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
         heartbeat.stop()
         _current = None
     if state.out_of_service.is_set():
-        return EXIT_OUT_OF_SERVICE
+        _exit_out_of_service()
     return worker.exitcode or 0
+
+
+def _exit_out_of_service() -> NoReturn:
+    """A worker whose device broke ends here, without the interpreter's finalizers. Everything it
+    owes is done by now (the job requeued, Celery stopped, the device released as broken); what is
+    left are torch's CUDA objects (the caching allocator, events, streams, library handles), whose
+    destructors at exit run on a context that is now unusable and can abort the process
+    ("terminate called after throwing an instance of 'c10::Error'") or block. The supervisor must
+    see EXIT_OUT_OF_SERVICE, at once, to start a fresh process."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_OUT_OF_SERVICE)
+
+
+def _instance_gone(instance: str) -> bool:
+    """The worker process of this host that `instance` names no longer exists (asked only about
+    instances of this worker's own name, so of this host: another host's pids mean nothing here).
+    A token without a pid is never taken for dead: its job waits for its lease."""
+    import psutil
+
+    pid = instance_pid(instance)
+    return pid is not None and (pid == os.getpid() or not psutil.pid_exists(pid))
 
 
 def _crashed_here(holder: dict, device: WorkerDevice) -> bool:

@@ -2,7 +2,8 @@
 
 Loading a checkpoint costs a file read, a host-to-device copy and a trace of its serving graph
 (worker/forward_graph.py; tens of ms each for a resnet18), so each worker keeps the models it
-served; a job whose model.pt was rewritten is noticed by the file's (mtime, size) and loaded again.
+served; a job whose model.pt was replaced is noticed by the file's identity (`file_signature`) and
+loaded again.
 Counters go out with the heartbeat (GET /devices → `inference.cache`), so loads, reloads and
 evictions can be observed.
 """
@@ -10,6 +11,7 @@ evictions can be observed.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -31,16 +33,24 @@ class ResidentModel:
     model: torch.nn.Module
     meta: ModelMeta
     forward: ForwardGraph  # uint8 batch on the device → probabilities; shares the model's parameters
-    signature: tuple[int, int]  # (mtime_ns, size) of the file it came from
+    signature: tuple[int, ...]  # `file_signature` of the file it came from
     nbytes: int
     one_image_s: float | None = None  # a CPU device's one-image forward, timed at load on the loading thread
+
+
+def file_signature(stat: os.stat_result) -> tuple[int, ...]:
+    """What changes whenever a checkpoint's content can have changed. Every write of a model.pt is
+    a fresh file renamed into place (core/storage.py), so a new version is a new inode, and the
+    rename sets its ctime, which no user call can set back (mtime can be: a copy that keeps times,
+    and two writes of the same size within a coarse clock's tick had the same (mtime, size))."""
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
 
 
 class ModelCache:
     """Checkpoints resident on the device, least recently used evicted past count or bytes.
 
-    A checkpoint file that changed (a job's model.pt rewritten) is noticed by its (mtime, size)
-    signature on the next request and loaded again. Counters are published in the heartbeat
+    A checkpoint file that changed (a job's model.pt replaced) is noticed by its `file_signature`
+    on the next request and loaded again. Counters are published in the heartbeat
     (`inference.cache` in GET /devices) so loads, reloads and evictions can be observed."""
 
     def __init__(self, paths: CheckpointPaths, device: str | torch.device, max_count: int, max_bytes: int) -> None:
@@ -62,7 +72,7 @@ class ModelCache:
             stat = path.stat()
         except FileNotFoundError:
             raise CheckpointError(f"job {job_id} has no checkpoint on this worker's storage ({path})") from None
-        signature = (stat.st_mtime_ns, stat.st_size)
+        signature = file_signature(stat)
         with self._lock:
             entry = self._models.get(job_id)
             if entry is not None and entry.signature == signature:
@@ -82,7 +92,7 @@ class ModelCache:
                  job_id, entry.meta.architecture, entry.nbytes / 1e6, entry.forward.kind, self.device)
         return entry
 
-    def _load(self, path: Path, signature: tuple[int, int]) -> ResidentModel:
+    def _load(self, path: Path, signature: tuple[int, ...]) -> ResidentModel:
         model, meta = load_model(path, self.device)  # torch.load(weights_only=True, map_location=device)
         nbytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         forward = build_forward(model, meta.preprocessing, self.device)

@@ -312,6 +312,8 @@ class Trainer:
         scaled = scaler.is_enabled()
         for begin, end in micro_batches(total, micro):
             xb, yb = x[begin:end], y[begin:end]
+            if total == 1:  # a train split of one image: BatchNorm cannot normalise a batch of one
+                xb, yb = xb.repeat(2, 1, 1, 1), yb.repeat(2)
             if self.plan.augment:
                 xb = random_crop_flip(xb, aug_gen)
             xb = normalize(xb, mean, std)
@@ -323,7 +325,7 @@ class Trainer:
             share = loss if end - begin == total else loss * ((end - begin) / total)
             (scaler.scale(share) if scaled else share).backward()
             loss_sum += loss.detach() * (end - begin)
-            correct += (logits.argmax(1) == yb).sum()
+            correct += (logits[: end - begin].argmax(1) == yb[: end - begin]).sum()
         if scaled:
             scaler.step(optimizer)
             scaler.update()

@@ -14,15 +14,27 @@ from core.config import Settings
 
 def test_refused_only_without_a_key_beyond_loopback_unless_allowed(caplog: pytest.LogCaptureFixture) -> None:
     assert unsafe_bind_refusal(Settings(_env_file=None, host="127.0.0.1")) is None
-    assert unsafe_bind_refusal(Settings(_env_file=None, host="0.0.0.0", api_key="k")) is None
+    assert unsafe_bind_refusal(Settings(_env_file=None, host="0.0.0.0", api_key="k", allowed_hosts="gpu-box")) is None
     refusal = unsafe_bind_refusal(Settings(_env_file=None, host="0.0.0.0"))
     assert refusal and "TORCHYARD_API_KEY" in refusal and "TORCHYARD_ALLOW_UNAUTHENTICATED" in refusal
-    allowed = Settings(_env_file=None, host="0.0.0.0", allow_unauthenticated=True)
+    allowed = Settings(_env_file=None, host="0.0.0.0", allow_unauthenticated=True, allowed_hosts="*")
     assert unsafe_bind_refusal(allowed) is None
     with caplog.at_level(logging.WARNING, logger="torchyard.api"):
         warn_if_open(allowed)
         warn_if_open(Settings(_env_file=None, host="127.0.0.1"))  # loopback: nothing to say
     assert sum("NO AUTHENTICATION" in r.message for r in caplog.records) == 1
+
+
+def test_beyond_loopback_the_host_names_must_be_said() -> None:
+    """The Host check (DNS rebinding) was off on a non-loopback bind unless TORCHYARD_ALLOWED_HOSTS
+    was set: now such a bind needs the names, or '*' said explicitly (key or no key)."""
+    for opened in ({"api_key": "k"}, {"allow_unauthenticated": True}):
+        for host in ("0.0.0.0", "192.168.1.10", "gpu-box"):
+            refusal = unsafe_bind_refusal(Settings(_env_file=None, host=host, **opened))
+            assert refusal and "TORCHYARD_ALLOWED_HOSTS" in refusal and "'*'" in refusal, (host, opened)
+        for names in ("*", "torchyard.internal, 10.0.0.5"):
+            assert unsafe_bind_refusal(Settings(_env_file=None, host="0.0.0.0", allowed_hosts=names, **opened)) is None
+    assert unsafe_bind_refusal(Settings(_env_file=None, host="127.0.0.1", api_key="k")) is None
 
 
 def test_metrics_dirs_of_gone_parents_are_removed_and_a_fresh_one_is_made(tmp_path) -> None:

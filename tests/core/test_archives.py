@@ -119,6 +119,28 @@ def test_happy_path_with_top_level_folder(tmp_path: Path, dest: Path) -> None:
     }
 
 
+def test_extracted_files_and_folders_are_on_disk_before_the_record(tmp_path: Path, dest: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every extracted file, every folder and the folder the dataset was renamed into are fsynced
+    (the dataset's record is written after extraction returns). The spy records what the real
+    os.fsync was called on, by inode, and calls it."""
+    import os
+
+    synced: set[int] = set()
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.add(os.fstat(fd).st_ino)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    archive = _zip(tmp_path / "d.zip", [("Cat/1.png", PNG), ("Dog/1.png", PNG), ("Dog/2.jpg", JPEG)])
+    extract_image_folder(archive, dest, LIMITS)
+    expected = set(dest.rglob("*")) | {dest, dest.parent}
+    assert {p.stat().st_ino for p in expected} <= synced, sorted(str(p) for p in expected
+                                                                 if p.stat().st_ino not in synced)
+
+
 def test_no_top_level_folder_from_file_object(tmp_path: Path, dest: Path) -> None:
     archive = _zip(
         tmp_path / "flat.zip",

@@ -8,6 +8,7 @@ written here is /predict's, and their probabilities match /predict's within 1e-4
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -184,6 +185,28 @@ def test_export_job_records_its_parity(stack: dict, exported: dict) -> None:
     assert parity["max_abs_probability_difference"] <= parity["tolerance"] == 1e-4
     assert "images of dataset" in parity["inputs_from"] and parity["inputs"] >= 30
     assert export["checkpoint"]["sha256"] == headers["X-Export-SHA256"]
+
+
+def test_an_export_decodes_only_the_images_it_checks(stack: dict) -> None:
+    """The parity check reads PARITY_INPUTS images of the dataset, not the whole set: an upload of
+    48 images trained on, its decoded copy (the trainer's cache beside it) removed, then exported:
+    the record names 32 images of the dataset, and the whole set was not decoded again (the old
+    export loaded every image and wrote that cache back)."""
+    client = stack["client"]
+    upload = client.post("/datasets", data={"name": "export-bounded"},
+                         files={"file": ("s.zip", shapes_zip(per_class=16, seed=5, corrupt=None), "application/zip")})
+    assert upload.status_code == 201 and upload.json()["num_images"] == 48, upload.text
+    dataset = upload.json()["id"]
+    job = client.post("/jobs", json={"model": "cifar_net", "dataset": dataset, "epochs": 1, "batch_size": 8}).json()
+    assert wait_for_job(client, job["id"], {"succeeded", "failed"}, timeout=300)["status"] == "succeeded"
+    decoded = stack["data_dir"] / "datasets" / f".{dataset}.cache"
+    assert decoded.is_dir()
+    shutil.rmtree(decoded)
+    answer, _ = _get_export(client, job["id"], "torchscript")
+    assert answer.status_code == 200, answer.text
+    parity = client.get(f"/jobs/{answer.headers['X-Export-Job']}").json()["params"]["parity"]
+    assert parity["inputs"] == 32 + 4 and parity["inputs_from"].startswith(f"32 images of dataset {dataset}"), parity
+    assert not decoded.exists(), list(decoded.rglob("*"))
 
 
 def test_export_refusals(stack: dict, exported: dict) -> None:

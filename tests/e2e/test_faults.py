@@ -104,6 +104,40 @@ def test_killed_workers_exhaust_attempts_and_a_corrupt_resume_fails_clearly(own:
     assert workers["fx3"].poll() is None
 
 
+def test_a_worker_restarted_after_a_crash_takes_its_job_back_at_once(clean_redis_url: str, tmp_path: Path) -> None:
+    """SIGKILL the worker mid-job, restart it under the same name (as `up` does): its predecessor's
+    pid is gone, so the job is requeued at once and resumes, long before its 120 s lease would have
+    expired (so only that path can pass, even on a slow host: two worker starts fit well inside it).
+    A worker of another host that starts meanwhile leaves the job alone (leases rule there)."""
+    with own_api(clean_redis_url, tmp_path, TORCHYARD_LEASE_TTL_S="120") as own:
+        procs, client = own["procs"], own["client"]
+        crashed = procs.worker("cpu", name="ha-first", TORCHYARD_NODE_NAME="ha")
+        job_id = _submit(client, 300, batch_size=8)
+        wait_until(lambda: len(_job(client, job_id)["metrics"]) >= 1, timeout=180, what="a first recorded epoch")
+        procs.stop(crashed, signal.SIGKILL)
+        killed_at = time.monotonic()
+
+        other_host = procs.worker("cpu", name="hb", TORCHYARD_NODE_NAME="hb")
+        wait_until(lambda: any(d["id"] == "hb/cpu" and d["status"] == "idle"
+                               for d in client.get("/devices").json()["devices"]), timeout=120, what="hb serving")
+        time.sleep(1.0)
+        held = _job(client, job_id)
+        assert held["status"] == "running" and held["attempts"] == 1 and held["device"] == "ha/cpu", held
+
+        procs.worker("cpu", name="ha-second", TORCHYARD_NODE_NAME="ha")
+        resumed = _running(client, job_id, 2)
+        assert time.monotonic() - killed_at < 100, "taken back by the lease's expiry, not at once"
+        assert resumed["device"] in ("ha/cpu", "hb/cpu")
+        wait_until(lambda: (_job(client, job_id)["resumed_from_epoch"] or 0) >= 1, timeout=60,
+                   what="the second attempt to resume after its recorded epochs")
+        assert client.post(f"/jobs/{job_id}/cancel").status_code == 202
+        wait_for_job(client, job_id, TERMINAL, timeout=60)  # its event stream ends: read it whole
+        reasons = [data.get("reason", "") for kind, data in _events(client, job_id)
+                   if kind == "status" and data.get("status") == "queued"]
+        assert reasons[1:] == ["its worker process (cpu@ha) died"], reasons
+        assert other_host.poll() is None
+
+
 def _events(client: httpx.Client, job_id: str, last_event_id: str | None = None) -> list[tuple[str, dict]]:
     return [(kind, data) for _, kind, data in _read_sse(client, job_id, last_event_id)]
 

@@ -155,6 +155,37 @@ def test_idempotency_validation_and_listing(stack: dict) -> None:
     assert not {j["id"] for j in client.get("/jobs", params={"status": "queued"}).json()["jobs"]} & set(ids)
 
 
+def test_a_retry_gets_its_job_after_what_was_checked_changed(stack: dict) -> None:
+    """The Idempotency-Key is looked up before the request is checked again: a retry whose first
+    attempt was acknowledged (the client just never saw the answer) gets that job, even after its
+    dataset was deleted (a 422 "unknown dataset" before) or the parent it started from was deleted."""
+    client = stack["client"]
+    upload = client.post("/datasets", files={"file": ("d.zip", shapes_zip(per_class=6, seed=9, corrupt=None),
+                                                      "application/zip")}, data={"name": "retry-after-delete"})
+    assert upload.status_code == 201, upload.text
+    spec = {"model": "cifar_net", "dataset": upload.json()["id"], "epochs": 1, "val_fraction": 0.25}
+    first = client.post("/jobs", json=spec, headers={"Idempotency-Key": "retry-after-delete"})
+    assert first.status_code == 202, first.text
+    parent = wait_for_job(client, first.json()["id"], {"succeeded", "failed"})
+    assert parent["status"] == "succeeded", parent
+    child_spec = {"model": "cifar_net", "dataset": "fake", "epochs": 1, "init_from": parent["id"]}
+    child = client.post("/jobs", json=child_spec, headers={"Idempotency-Key": "retry-after-parent"})
+    assert child.status_code == 202, child.text
+    wait_for_job(client, child.json()["id"], {"succeeded", "failed"})
+
+    # (A dataset just given to a job is kept for a few seconds: core/datasets.IN_USE_GRACE_S.)
+    wait_until(lambda: client.delete(f"/datasets/{spec['dataset']}").status_code == 204, timeout=30,
+               interval=1, what="the dataset's deletion")
+    retried = client.post("/jobs", json=spec, headers={"Idempotency-Key": "retry-after-delete"})
+    assert retried.status_code == 200 and retried.json()["id"] == parent["id"], retried.text
+    assert client.post("/jobs", json=spec).status_code == 422  # without the key: checked, and refused
+
+    assert client.delete(f"/jobs/{parent['id']}").status_code == 204
+    again = client.post("/jobs", json=child_spec, headers={"Idempotency-Key": "retry-after-parent"})
+    assert again.status_code == 200 and again.json()["id"] == child.json()["id"], again.text
+    assert client.post("/jobs", json=child_spec).status_code == 422
+
+
 def test_resume_after_worker_sigkill(own_stack: dict) -> None:
     client, procs = own_stack["client"], own_stack["procs"]
     first = procs.worker("cpu", name="worker-first")

@@ -30,3 +30,35 @@ def test_short_chaos_pass(tmp_path: Path) -> None:
     assert report["acknowledged"] >= 6 and report["succeeded"] == report["acknowledged"]
     assert report["lost"] == report["ran_twice"] == report["checkpoint_mismatches"] == report["unannounced"] == []
     assert set(report["faults"]) == set(kinds)
+
+
+def test_a_worker_the_soak_restarts_from_a_thread_outlives_that_thread(tmp_path: Path, clean_redis_url: str) -> None:
+    """The long pass once ended FAILED: its last fault broke chaos-b, whose restart was started by
+    the soak's supervisor thread; that thread ended with the faults, and the kernel sent the
+    starting worker SIGTERM (the parent-death signal is armed for the thread that forks, not the
+    process), so chaos-b never came back. A worker started from a thread that has ended must run."""
+    import threading
+
+    from core.devices import DeviceRegistry
+    from core.redis import connect
+    from scripts.chaos import Stack
+    from tests.support import wait_until
+
+    stack = Stack(tmp_path / "data", lease_ttl_s=3.0)
+    stack.redis_url = clean_redis_url
+    client = connect(clean_redis_url)
+    try:
+        starter = threading.Thread(target=stack.start_worker_b)
+        starter.start()
+        starter.join()
+        worker = stack.worker_b
+        assert worker is not None
+
+        def serving() -> bool:
+            return "chaos-b/cpu" in {d.id for d in DeviceRegistry(client, 3).live()}
+
+        wait_until(lambda: worker.poll() is not None or serving(), timeout=180, what="chaos-b serving or gone")
+        assert worker.poll() is None, f"chaos-b exited with {worker.returncode} while it started"
+    finally:
+        stack.stop()
+        client.close()

@@ -22,11 +22,17 @@ from worker.device import (
     resolve_worker_device,
 )
 
+UUID_A = "GPU-8a1b2c3d-1111-2222-3333-444455556666"
+UUID_B = "GPU-0f0e0d0c-aaaa-bbbb-cccc-ddddeeeeffff"
+MIG = "MIG-5c3a1f2e-7b6d-5e4f-8a9b-0c1d2e3f4a5b"
+
 
 def test_parse() -> None:
     assert DeviceChoice.parse("cpu") == DeviceChoice("cpu", None)
     assert DeviceChoice.parse("3") == DeviceChoice("cuda", 3)
-    for bad in ("cuda:0", "-1", "gpu", ""):
+    assert DeviceChoice.parse(UUID_A) == DeviceChoice("cuda", None, UUID_A)
+    assert DeviceChoice.parse(MIG) == DeviceChoice("cuda", None, MIG)
+    for bad in ("cuda:0", "-1", "gpu", "", "MIG-GPU-8a1b2c3d/1/0", "GPU-", "GPU-xyz"):
         with pytest.raises(PinningError):
             DeviceChoice.parse(bad)
 
@@ -39,6 +45,10 @@ def test_parse() -> None:
     ("1", " 3 , 5 ", "5"),
     ("cpu", "0,1", ""),     # a CPU worker sees no GPU at all
     ("cpu", None, ""),
+    ("cpu", "", ""),
+    ("1", f"{UUID_A},{UUID_B}", UUID_B),   # UUIDs in the outer list: the N-th one
+    (UUID_B, f"{UUID_A},{UUID_B}", UUID_B),
+    (MIG, None, MIG),
 ])
 def test_pinned_environment(arg: str, outer: str | None, visible: str) -> None:
     environ = {} if outer is None else {"CUDA_VISIBLE_DEVICES": outer}
@@ -72,7 +82,6 @@ def test_marker_is_tied_to_argument_and_pin() -> None:
     ("0", None, {"CUDA_VISIBLE_DEVICES": "0", "NVIDIA_VISIBLE_DEVICES": "all"}, 0),
     ("0", None, {"CUDA_VISIBLE_DEVICES": "0", "NVIDIA_VISIBLE_DEVICES": "0,1"}, 0),
     ("1", None, {"CUDA_VISIBLE_DEVICES": "1", "NVIDIA_VISIBLE_DEVICES": "3"}, 1),   # a list of 1 has no index 1
-    ("0", None, {"CUDA_VISIBLE_DEVICES": "GPU-8a1b"}, 0),               # a UUID: fall back to the argument
 ])
 def test_resolve_worker_device(arg: str, host_index: int | None, environ: dict, expected_index: int) -> None:
     device = resolve_worker_device(DeviceChoice.parse(arg), "nodea", host_index, environ)
@@ -171,3 +180,74 @@ def test_a_lapsed_heartbeat_takes_its_free_device_back(clean_redis_url: str) -> 
         assert client.get(keys.device_alive("hosta/cpu")) == "first" and client.pttl(keys.device_alive("hosta/cpu")) > 0
     finally:
         client.close()
+
+
+@pytest.mark.parametrize(("arg", "outer", "message"), [
+    ("0", "", "shows this process no GPU"),          # empty is not unset: it hides every GPU
+    ("0", " , ", "shows this process no GPU"),
+    ("0", "-1", "shows this process no GPU"),
+    (UUID_B, UUID_A, "not among CUDA_VISIBLE_DEVICES"),
+    ("0", "MIG-GPU-8a1b2c3d/1/0", "older MIG-GPU"),
+])
+def test_a_pin_that_cannot_work_is_refused_with_why(arg: str, outer: str, message: str) -> None:
+    with pytest.raises(PinningError, match=message):
+        pinned_environment(DeviceChoice.parse(arg), {"CUDA_VISIBLE_DEVICES": outer})
+
+
+def test_gpus_chosen_by_uuid_get_device_ids_of_their_own() -> None:
+    """`up` under CUDA_VISIBLE_DEVICES=<uuid>,<uuid> pins each worker to one entry and starts it as
+    --device 0: each worker names its device by its UUID. Before, every one was cuda:0, the second
+    was refused the device lock (gpu0@node held) and restarted forever."""
+    named = set()
+    for entry in (UUID_A, UUID_B, MIG):
+        choice = DeviceChoice.parse("0")
+        pinned = pinned_environment(choice, {"CUDA_VISIBLE_DEVICES": entry})
+        device = resolve_worker_device(choice, "nodea", None, pinned)
+        assert device == WorkerDevice("cuda", None, "nodea", selector=entry) and device.torch_device == "cuda:0"
+        assert device.id == f"nodea/cuda:{entry}" and device.worker_name == f"{entry}@nodea"
+        named.add(device.id)
+    assert len(named) == 3
+    in_container = resolve_worker_device(DeviceChoice.parse("0"), "nodea", None,
+                                         {"CUDA_VISIBLE_DEVICES": "0", "NVIDIA_VISIBLE_DEVICES": UUID_B})
+    assert in_container.id == f"nodea/cuda:{UUID_B}"
+
+
+def test_devices_setting_takes_indices_and_uuids_and_refuses_the_rest() -> None:
+    from pydantic import ValidationError
+
+    from core.config import Settings
+
+    assert Settings(_env_file=None, devices=f"0, {UUID_A}").devices == f"0,{UUID_A}"
+    for bad in ("cuda:0", "0,,1", "MIG-GPU-8a1b2c3d/1/0", "all"):
+        with pytest.raises(ValidationError, match="TORCHYARD_DEVICES"):
+            Settings(_env_file=None, devices=bad)
+
+
+@pytest.mark.parametrize(("args", "env", "message"), [
+    (["worker", "--device", "0"], {"CUDA_VISIBLE_DEVICES": ""}, "shows this process no GPU"),
+    (["up"], {"TORCHYARD_DEVICES": "gpu0"}, "TORCHYARD_DEVICES"),
+])
+def test_the_cli_refuses_a_device_that_cannot_work_with_status_2(args: list[str], env: dict, message: str,
+                                                                   tmp_path) -> None:
+    """One message and exit status 2 (before any torch import), not a worker restarted forever."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
+    environ.update(env, TORCHYARD_DATA_DIR=str(tmp_path), TORCHYARD_REDIS_URL="redis://127.0.0.1:1/0")
+    result = subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=REPO, env=environ, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_nvml_failure_is_retried_later_not_latched() -> None:
+    """No GPU here, so NVML cannot be read (no pynvml, or no driver): the read answers None, and is
+    tried again once `retry_after_s` has passed; it used to give up for the process's life."""
+    import torch
+
+    from worker.device import NvmlUtilization
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU host reads NVML; this is the CPU twin of a failing read")
+    retrying = NvmlUtilization(retry_after_s=0.0)
+    assert retrying() is None and retrying() is None and retrying.attempts == 2
+    waiting = NvmlUtilization(retry_after_s=3600.0)
+    assert waiting() is None and waiting() is None and waiting.attempts == 1

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.device_health import DEFAULT_INJECTED_ERROR, DeviceHealth, InjectedDeviceFault, sticky_device_error
+from worker.device_health import (
+    DEFAULT_INJECTED_ERROR,
+    DEVICE_ASSERT_ERROR,
+    PROVOKE_DEVICE_ASSERT,
+    DeviceHealth,
+    InjectedDeviceFault,
+    sticky_device_error,
+)
 
 
 @pytest.mark.parametrize("message", [
@@ -68,3 +75,14 @@ def test_the_fault_file_raises_once(tmp_path: Path) -> None:
     assert not fault.exists()
     health.inject_fault()  # consumed
     assert health.job_failed(raised.value) == DEFAULT_INJECTED_ERROR
+
+
+def test_a_provoked_device_side_assert_is_its_error_text_on_the_cpu(tmp_path: Path) -> None:
+    """The GPU tests provoke a real device-side assert through the fault file (tests/e2e/test_gpu.py);
+    on a CPU worker the same request raises that error's text, which breaks the device the same way."""
+    fault = tmp_path / "fault"
+    fault.write_text(PROVOKE_DEVICE_ASSERT)
+    health = DeviceHealth(fault, torch_device="cpu")
+    with pytest.raises(InjectedDeviceFault, match=DEVICE_ASSERT_ERROR) as raised:
+        health.inject_fault()
+    assert health.job_failed(raised.value) == DEVICE_ASSERT_ERROR

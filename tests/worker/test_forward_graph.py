@@ -4,6 +4,8 @@ parameters shared; a network the trace would get wrong, or cannot follow, is ser
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -90,3 +92,54 @@ def test_tracing_leaves_the_global_random_state_alone() -> None:
     torch.manual_seed(123)
     build_forward(network, pre, "cpu")
     assert torch.equal(torch.rand(4), expected)
+
+
+class _Rendezvous(nn.Module):
+    """Meets the other thread's trace mid-trace (first call only), then converts a tensor to a
+    Python value (a TracerWarning): `kind` "bool" or "float" tells whose warning it is."""
+
+    def __init__(self, kind: str, arrive: threading.Event, wait_for: threading.Event) -> None:
+        super().__init__()
+        self.kind, self.arrive, self.wait_for, self.met = kind, arrive, wait_for, False
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = x.mean(dim=(2, 3))
+        if not self.met:
+            self.met = True
+            self.arrive.set()
+            assert self.wait_for.wait(30), "the other thread never reached its trace"
+        if self.kind == "bool":  # always true: the probe cannot tell, only the tracer's warning can
+            return self.head(pooled) if bool(pooled.abs().sum() >= 0) else -self.head(pooled)
+        return self.head(pooled) * float(pooled.max())
+
+
+def test_a_trace_and_an_export_in_two_threads_each_see_their_own_warnings(tmp_path) -> None:
+    """The warnings filters are the process's: the export's used to be set (and restored) while a
+    serving trace ran on another thread, which then saw its TracerWarning only printed, and served
+    a graph that branches on its example forever. Here the serving trace warns while the export is
+    inside its trace: the serving graph must still be eager, and each thread caught only its own."""
+    from worker.export_job import _write_torchscript
+
+    serving_tracing, export_tracing, serving_warned = threading.Event(), threading.Event(), threading.Event()
+    serving = _Rendezvous("bool", serving_tracing, export_tracing)
+    exported = _Rendezvous("float", export_tracing, serving_warned)
+    pre = Preprocessing(3, 8, 8, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
+    outcome: dict = {}
+
+    def serve() -> None:
+        outcome["graph"] = build_forward(serving.eval(), pre, "cpu")
+        serving_warned.set()
+
+    def export() -> None:
+        assert serving_tracing.wait(30)  # the serving trace is under way (its setup done) before the export's
+        outcome["export"] = _write_torchscript(exported.eval(), torch.rand(2, 3, 8, 8), tmp_path / "m.pt", {})
+
+    threads = [threading.Thread(target=serve), threading.Thread(target=export)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert outcome["graph"].kind == "eager", "the serving trace missed its TracerWarning"
+    assert outcome["export"] and all("Python float" in w for w in outcome["export"]), outcome["export"]
+    assert not any("Python boolean" in w for w in outcome["export"])

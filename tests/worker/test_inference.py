@@ -120,6 +120,23 @@ def test_cache_is_an_lru_that_reloads_changed_checkpoints(tmp_path) -> None:
         cache.get("job-missing")
 
 
+def test_a_replaced_checkpoint_of_the_same_size_and_mtime_is_reloaded(tmp_path) -> None:
+    """A new model.pt of the same size whose mtime is the old one's (a copy that keeps times, two
+    writes within a coarse clock's tick) was served stale when the cache keyed on (mtime, size)."""
+    paths = CheckpointPaths(tmp_path)
+    _save(paths, "job-a", 1)
+    final = paths.final("job-a")
+    old = final.stat()
+    cache = ModelCache(paths, "cpu", max_count=2, max_bytes=1 << 30)
+    cache.get("job-a")
+    replacement = _save(paths, "job-a", 2)  # written to a temporary name and renamed into place
+    os.utime(final, ns=(old.st_atime_ns, old.st_mtime_ns))
+    assert (final.stat().st_size, final.stat().st_mtime_ns) == (old.st_size, old.st_mtime_ns)
+    entry = cache.get("job-a")
+    assert cache.stats()["reloads"] == 1
+    assert torch.equal(entry.model.state_dict()["fc3.weight"], replacement.state_dict()["fc3.weight"])
+
+
 def test_cache_evicts_by_bytes(tmp_path) -> None:
     paths = CheckpointPaths(tmp_path)
     for i, job in enumerate(("a", "b", "c")):

@@ -102,3 +102,18 @@ def test_stop_before_the_first_step(tmp_path: Path) -> None:
     with pytest.raises(StopJob):
         make_trainer(tmp_path, small_fake(100), 2, reporter, lambda: "cancelled").run()
     assert reporter.epochs == [] and not (tmp_path / "model.pt").exists()
+
+
+def test_a_train_split_of_one_image_trains(tmp_path: Path) -> None:
+    """Two images at val_fraction 0.5 leave one to train on: a network with BatchNorm (resnet18)
+    cannot normalise a batch of one in training mode (its variance divides by n - 1), so the
+    trainer gives it that image twice; its metrics count the image once."""
+    data = small_fake(2)
+    params = resolve_params(JobSpec(model="resnet18", dataset="fake", epochs=2, val_fraction=0.5))
+    plan = plan_training("job1", "resnet18", params, data, torch.device("cpu"), 3, 32, 32)
+    reporter = Reporter()
+    Trainer(plan, data, final_path=tmp_path / "model.pt", resume_from=None,
+            resume_to=lambda epoch: tmp_path / f"resume-{epoch}.pt", reporter=reporter, should_stop=lambda: None).run()
+    assert [m.epoch for m in reporter.epochs] == [1, 2]
+    assert all(m.train_accuracy in (0.0, 1.0) for m in reporter.epochs)
+    assert (tmp_path / "model.pt").exists()
