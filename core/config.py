@@ -8,7 +8,7 @@ import socket
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -93,6 +93,15 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(default=10 * 1024**2, ge=1)
     max_image_pixels: int = Field(default=40_000_000, ge=1)
     max_images_per_request: int = Field(default=64, ge=1)
+    # Below Redis's largest value (proto-max-bulk-len, 512 MB): a request travels to a worker as one.
+    max_predict_request_bytes: int = Field(
+        default=128 * 1024**2, ge=1024, le=448 * 1024**2,
+        description="Largest /predict body (its images and their framing): refused with 413 as it streams in.")
+    predict_memory_budget_bytes: int = Field(
+        default=512 * 1024**2, ge=1024,
+        description="Bytes of /predict bodies one API process holds at once (received and waiting for their "
+                    "answer); a request that would go past it is refused with 503 and Retry-After. At least "
+                    "TORCHYARD_MAX_PREDICT_REQUEST_BYTES.")
     max_upload_bytes: int = Field(default=1024**3, ge=1)
     max_zip_entries: int = Field(default=200_000, ge=1)
     max_zip_uncompressed_bytes: int = Field(default=4 * 1024**3, ge=1)
@@ -157,6 +166,12 @@ class Settings(BaseSettings):
     keep_job_events_days: float = Field(default=7, ge=0, description="Event streams of finished jobs (trimmed). 0: forever.")
     keep_unused_datasets_days: float = Field(default=0, ge=0, description="Uploads no job used for this long. 0: forever.")
     cleanup_interval_s: float = Field(default=3600, gt=0, description="How often one API process runs the cleanup.")
+
+    @model_validator(mode="after")
+    def _a_largest_request_fits_the_budget(self) -> Settings:
+        if self.predict_memory_budget_bytes < self.max_predict_request_bytes:
+            raise ValueError("TORCHYARD_PREDICT_MEMORY_BUDGET_BYTES must be at least TORCHYARD_MAX_PREDICT_REQUEST_BYTES")
+        return self
 
     @property
     def binds_loopback(self) -> bool:
