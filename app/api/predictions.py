@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import itertools
 import logging
 from collections.abc import Callable
@@ -122,7 +123,7 @@ def check_image(filename: str | None, data: bytes | memoryview, max_pixels: int)
     at most `max_pixels`. Reads the bytes in place: a 10 MiB image is not copied to be looked at."""
     name = filename or "image"
     try:
-        with Image.open(ViewReader(data), formats=IMAGE_FORMATS) as probe:  # no other plugin runs
+        with Image.open(io.BufferedReader(ViewReader(data)), formats=IMAGE_FORMATS) as probe:  # no other plugin runs
             fmt, (width, height) = probe.format, probe.size
     except Image.DecompressionBombError:
         raise TooLarge(f"{name} has too many pixels; the limit is {max_pixels} (TORCHYARD_MAX_IMAGE_PIXELS)") from None
