@@ -72,14 +72,13 @@ class Settings(BaseSettings):
     # --- inference -----------------------------------------------------------------------
     predict_timeout_s: float = Field(default=30.0, gt=0)
     predict_max_batch: int = Field(default=32, ge=1)
-    # How long a batch may wait for the company recent traffic promises (worker/batching.BatchWindow);
-    # a lone request on a quiet device never waits. 10 ms: at 32 clients on this 2-core host the
-    # batches then hold 32 images (mean 31.9) against 15-17 at 2 ms, for the same p50 (~12 ms).
+    # How long a batch may wait for the company recent traffic promises (worker/serving/batching.BatchWindow);
+    # a lone request on a quiet device never waits (docs/benchmarks.md has how 10 ms was chosen).
     predict_max_wait_ms: float = Field(default=10.0, ge=0)
     predict_decode_threads: int | None = Field(
         default=None, ge=1,
         description="threads that decode /predict images and send replies, off the device thread. "
-                    "Unset: the cores, at most 4.")
+                    "Unset: the cores this worker may use.")
     model_cache_count: int = Field(default=8, ge=1)
     model_cache_bytes: int = Field(default=2 * 1024**3, ge=1)
     predict_cpu_threads: int | None = Field(
@@ -129,8 +128,9 @@ class Settings(BaseSettings):
     )
     device_fault_file: Path | None = Field(
         default=None,
-        description="Tests and `make chaos` only: when this file appears, the worker's next training step "
-                    "raises the CUDA error it holds, as a broken GPU would (the CPU twin of a sticky CUDA error).",
+        description="Tests and `make chaos` only: when this file appears, the worker's next training step or "
+                    "/predict forward raises the CUDA error it holds, as a broken GPU would (the CPU twin of a "
+                    "sticky CUDA error).",
     )
 
     # --- hostile clients and resource exhaustion (#13; docs/security.md) -----------------------
