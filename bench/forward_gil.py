@@ -4,7 +4,7 @@
 
 One process, as in a worker: a thread runs the serving forward (one torch thread, the way a CPU
 worker's device thread runs it while a job trains, and always on a 2-core host) in a loop, alone
-and then while another thread decodes 32×32 PNGs with worker/inference.decode_image (PIL, as the
+and then while another thread decodes 32×32 PNGs with worker/serving/decode.decode_image (PIL, as the
 intake and decode threads do), for `--seconds` each; `--rounds` alternate the eager module and
 the traced graph. Reported: images/s of the forward, and the decoder's CPU per image (its
 thread's CPU time over the images it decoded), which GIL hand-offs inflate.
@@ -34,7 +34,7 @@ def measure(model_name: str, batch: int, seconds: float, rounds: int) -> list[di
 
     from worker.checkpoint import load_model
     from worker.forward_graph import ServingForward, build_forward
-    from worker.inference import decode_image
+    from worker.serving.decode import decode_image
 
     torch.set_num_threads(1)
     _, path = make_checkpoint(Path(tempfile.mkdtemp()), model_name)
@@ -85,7 +85,7 @@ def measure(model_name: str, batch: int, seconds: float, rounds: int) -> list[di
 
 def decode_alone(seconds: float) -> float:
     from worker.checkpoint import ModelMeta, Preprocessing
-    from worker.inference import decode_image
+    from worker.serving.decode import decode_image
 
     meta = ModelMeta("cifar_net", 10, [str(i) for i in range(10)], Preprocessing(3, 32, 32, (0.5,) * 3, (0.25,) * 3),
                      "x")

@@ -9,7 +9,7 @@ import socket
 from functools import lru_cache
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -86,14 +86,13 @@ class Settings(BaseSettings):
     # --- inference -----------------------------------------------------------------------
     predict_timeout_s: float = Field(default=30.0, gt=0)
     predict_max_batch: int = Field(default=32, ge=1)
-    # How long a batch may wait for the company recent traffic promises (worker/batching.BatchWindow);
-    # a lone request on a quiet device never waits. 10 ms: at 32 clients on this 2-core host the
-    # batches then hold 32 images (mean 31.9) against 15-17 at 2 ms, for the same p50 (~12 ms).
+    # How long a batch may wait for the company recent traffic promises (worker/serving/batching.BatchWindow);
+    # a lone request on a quiet device never waits (docs/benchmarks.md has how 10 ms was chosen).
     predict_max_wait_ms: float = Field(default=10.0, ge=0)
     predict_decode_threads: int | None = Field(
         default=None, ge=1,
         description="threads that decode /predict images and send replies, off the device thread. "
-                    "Unset: the cores, at most 4.")
+                    "Unset: the cores this worker may use.")
     model_cache_count: int = Field(default=8, ge=1)
     model_cache_bytes: int = Field(default=2 * 1024**3, ge=1)
     predict_cpu_threads: int | None = Field(
@@ -107,6 +106,15 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(default=10 * 1024**2, ge=1)
     max_image_pixels: int = Field(default=40_000_000, ge=1)
     max_images_per_request: int = Field(default=64, ge=1)
+    # Below Redis's largest value (proto-max-bulk-len, 512 MB): a request travels to a worker as one.
+    max_predict_request_bytes: int = Field(
+        default=128 * 1024**2, ge=1024, le=448 * 1024**2,
+        description="Largest /predict body (its images and their framing): refused with 413 as it streams in.")
+    predict_memory_budget_bytes: int = Field(
+        default=512 * 1024**2, ge=1024,
+        description="Bytes of /predict bodies one API process holds at once (received and waiting for their "
+                    "answer); a request that would go past it is refused with 503 and Retry-After. At least "
+                    "TORCHYARD_MAX_PREDICT_REQUEST_BYTES.")
     max_upload_bytes: int = Field(default=1024**3, ge=1)
     max_zip_entries: int = Field(default=200_000, ge=1)
     max_zip_uncompressed_bytes: int = Field(default=4 * 1024**3, ge=1)
@@ -134,8 +142,9 @@ class Settings(BaseSettings):
     )
     device_fault_file: Path | None = Field(
         default=None,
-        description="Tests and `make chaos` only: when this file appears, the worker's next training step "
-                    "raises the CUDA error it holds, as a broken GPU would (the CPU twin of a sticky CUDA error).",
+        description="Tests and `make chaos` only: when this file appears, the worker's next training step or "
+                    "/predict forward raises the CUDA error it holds, as a broken GPU would (the CPU twin of a "
+                    "sticky CUDA error).",
     )
 
     # --- hostile clients and resource exhaustion (#13; docs/security.md) -----------------------
@@ -185,6 +194,12 @@ class Settings(BaseSettings):
             raise ValueError(f"TORCHYARD_DEVICES={value!r}: use 'auto', 'cpu', or GPUs by index (0,1) or by "
                              f"GPU-/MIG- UUID (`nvidia-smi -L`); not {', '.join(map(repr, bad))}")
         return ",".join(entries)
+
+    @model_validator(mode="after")
+    def _a_largest_request_fits_the_budget(self) -> Settings:
+        if self.predict_memory_budget_bytes < self.max_predict_request_bytes:
+            raise ValueError("TORCHYARD_PREDICT_MEMORY_BUDGET_BYTES must be at least TORCHYARD_MAX_PREDICT_REQUEST_BYTES")
+        return self
 
     @property
     def binds_loopback(self) -> bool:

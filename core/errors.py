@@ -38,9 +38,14 @@ class UnsupportedMedia(TorchyardError):
 
 
 class Unavailable(TorchyardError):
-    """No worker can take the request (none alive, or it did not answer in time)."""
+    """No worker can take the request (none alive, or it did not answer in time), or the service is
+    at a limit of its own for now: `retry_after_s`, when known, is sent as Retry-After."""
 
     status_code = 503
+
+    def __init__(self, detail: str, retry_after_s: int | None = None) -> None:
+        super().__init__(detail)
+        self.retry_after_s = retry_after_s
 
 
 class DeviceInUse(TorchyardError):

@@ -9,6 +9,9 @@ asks another plugin whether the file is its format (a test scans the code for th
 
 from __future__ import annotations
 
+import io
+from typing import Any
+
 from PIL import Image
 
 # Pillow's plugin names, what `Image.open(..., formats=IMAGE_FORMATS)` is told to try. No "MPO" here:
@@ -37,3 +40,39 @@ def refused_format(prefix: bytes) -> str | None:
         except Exception:
             continue
     return None
+
+
+class ViewReader(io.RawIOBase):
+    """A read-only file over bytes in memory that copies only what is read, for `Image.open` on an
+    image that lies inside a larger buffer (a /predict body): `io.BytesIO` would copy all of it
+    first."""
+
+    def __init__(self, data: bytes | memoryview) -> None:
+        super().__init__()
+        self._data = data
+        self._at = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        n = max(0, min(len(target), len(self._data) - self._at))
+        target[:n] = self._data[self._at:self._at + n]
+        self._at += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._data)}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+    def close(self) -> None:
+        self._data = b""
+        super().close()

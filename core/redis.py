@@ -24,8 +24,8 @@ OUTAGE_ERRORS: tuple[type[Exception], ...] = (redis.ConnectionError, redis.Timeo
                                               redis.exceptions.ReadOnlyError)
 
 
-def connect(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, decode_responses=True, health_check_interval=30,
+def connect(url: str, decode_responses: bool = True) -> redis.Redis:
+    return redis.Redis.from_url(url, decode_responses=decode_responses, health_check_interval=30,
                                 retry=Retry(ConstantBackoff(RECONNECT_PAUSE_S), 1),
                                 retry_on_error=[redis.ConnectionError])
 

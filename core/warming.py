@@ -18,6 +18,7 @@ import time
 import redis
 
 from core import keys
+from core.clock import redis_now
 from core.devices import DeviceRegistry
 from core.schemas import WarmResult
 from core.wire import MalformedMessage, PredictErrorBody, PredictReply, WarmedModel, WarmRequest
@@ -35,18 +36,20 @@ class ModelWarmer:
         if not targets:
             return []
         started = time.monotonic()
-        deadline = time.time() + self.timeout_s
+        deadline = started + self.timeout_s
+        # The worker compares the deadline with Redis's clock, never with this host's wall clock.
+        expires = redis_now(self.redis) + self.timeout_s
         pending: dict[str, str] = {}  # reply list → device id
         pipe = self.redis.pipeline(transaction=False)
         for device_id in targets:
             reply_to = keys.predict_reply(secrets.token_hex(12))
             pipe.rpush(keys.predict_queue(device_id), WarmRequest(job_id=job_id, reply_to=reply_to,
-                                                                  deadline=deadline).encode())
+                                                                  deadline=expires).encode())
             pending[reply_to] = device_id
         pipe.execute()
         results: dict[str, WarmResult] = {}
         while pending:
-            remaining = deadline - time.time()
+            remaining = deadline - time.monotonic()
             answer = self.redis.blpop(list(pending), timeout=remaining) if remaining > 0 else None
             if answer is None:
                 break

@@ -4,9 +4,13 @@ Why Redis lists and not Celery: a device that trains holds Celery's only slot, y
 answer predictions; so each worker has an inference thread that BLPOPs its own list, and the
 API waits on a one-off reply list. Both directions are encoded and decoded only here:
 
-- Request, API → `ty:predict:<device id>` (RPUSH): a `PredictRequest` as JSON, images in
-  base64. `queued_at` opens the worker's batching window; a request past its `deadline` is
-  not computed (its caller has given up).
+- Request, API → `ty:predict:<device id>` (RPUSH): a binary frame (`PredictRequest`): the bytes
+  the images lie in, then a `PredictHeader` as JSON naming each image's offset and length, then a
+  trailer. The API streams the multipart body into one buffer and appends the header to it, so a
+  request's images are held once, never base64-encoded, and a request sent again is the same
+  bytes. `queued_at` opens the worker's batching window; a request past its `deadline` is not
+  computed (its caller has given up). Both are on Redis's clock (core/clock.RedisClock), so a
+  worker whose wall clock is off neither drops live requests nor holds batches for the skew.
 - Reply, worker → `request.reply_to` (RPUSH, short TTL): ``"<request_id> <status> <json body>"``.
   `reply_to` is the inbox of the API process that sent it, one list per process read by one
   listener there (app/api/reply_inbox.py), so a request costs the API one Redis call, not a
@@ -23,17 +27,18 @@ from __future__ import annotations
 
 import json
 import math
+import struct
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from core.errors import Conflict, InvalidInput, NotFound, TooLarge, TorchyardError, Unavailable, UnsupportedMedia
 from core.images import IMAGE_FORMATS
 
-__all__ = ["IMAGE_FORMATS", "REPLY_TTL_S", "MalformedMessage", "PredictReply", "PredictRequest", "WarmRequest",
-           "WarmedModel", "WireImage", "strict_json"]
+__all__ = ["IMAGE_FORMATS", "REPLY_TTL_S", "MalformedMessage", "PredictHeader", "PredictReply", "PredictRequest",
+           "WarmRequest", "WarmedModel", "strict_json"]
 
 REPLY_TTL_S = 60
 
@@ -47,9 +52,8 @@ def strict_json(document: Any) -> bytes:
     """Compact JSON of plain data as pydantic's `model_dump_json` writes it, byte for byte (floats
     included), with a NaN or an infinity written as null: strict JSON, which most clients need.
 
-    orjson: a /predict reply of five predictions took 1.6 µs against 8.1 for `json.dumps` (this
-    2-core host, tight loop), and the worker's CPU per image is what bounds a fast device's
-    throughput. orjson refuses a str holding lone surrogates (a file name that was not UTF-8, as
+    orjson, because it costs a fraction of `json.dumps` (docs/benchmarks.md) and the worker's CPU
+    per image is what bounds a fast device's throughput. orjson refuses a str holding lone surrogates (a file name that was not UTF-8, as
     `os.walk` returns it); json escapes those, so such a document goes that way instead."""
     try:
         return orjson.dumps(document)
@@ -75,33 +79,87 @@ class PredictErrorBody(BaseModel):
     detail: str
 
 
-class WireImage(BaseModel):
-    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
-
-    filename: str | None
-    data: bytes
-
-
-class PredictRequest(BaseModel):
-    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
+class PredictHeader(BaseModel):
+    """What a worker needs to answer a request, besides the image bytes it frames."""
 
     job_id: str
+    alias: str | None = Field(default=None, description="The alias the caller named; the reply names it too.")
     top_k: int = Field(ge=1)
     reply_to: str = Field(description="The sending API process's inbox list.")
     request_id: str = Field(description="Names the reply in that inbox.")
-    queued_at: float = Field(description="When the API queued it (epoch s): opens the batching window.")
-    deadline: float = Field(description="Epoch s after which the caller no longer waits.")
-    images: list[WireImage] = Field(min_length=1)
+    queued_at: float = Field(description="When the API first queued it, on Redis's clock (epoch s): opens the "
+                                         "batching window.")
+    deadline: float = Field(description="Redis's clock (epoch s) after which the caller no longer waits.")
+    images: list[tuple[str | None, int, int]] = Field(
+        min_length=1, description="(filename, offset, length) of each image in the frame, in order.")
 
-    def encode(self) -> str:
-        return self.model_dump_json()
+
+# A frame: the bytes the images lie in (for the API, the multipart body as it arrived), then the
+# header's JSON, then this trailer: the header's length and a tag. The header comes last so the API
+# appends it to the buffer the body streamed into: the images are never copied to be sent.
+_TRAILER = struct.Struct("<I4s")
+FRAME_TAG = b"TYF1"
+MAX_HEADER_BYTES = 1 << 20
+
+
+class PredictRequest:
+    """A prediction request as a worker takes it off its list: the header, and the frame the images
+    are read from (no base64, no copy until an image is decoded)."""
+
+    __slots__ = ("header", "raw")
+
+    def __init__(self, header: PredictHeader, raw: bytes) -> None:
+        self.header = header
+        self.raw = raw
+
+    @property
+    def image_count(self) -> int:
+        return len(self.header.images)
+
+    def image(self, index: int) -> tuple[str | None, bytes]:
+        filename, offset, length = self.header.images[index]
+        return filename, self.raw[offset:offset + length]
+
+    @staticmethod
+    def frame_in_place(buffer: bytearray, header: PredictHeader) -> memoryview:
+        """`buffer` (holding the images at the header's offsets) with the header appended: the
+        message to queue. The buffer must not change while the message is queued."""
+        encoded = header.model_dump_json().encode()
+        if len(encoded) > MAX_HEADER_BYTES:
+            raise ValueError(f"a request header of {len(encoded)} bytes")
+        buffer += encoded
+        buffer += _TRAILER.pack(len(encoded), FRAME_TAG)
+        return memoryview(buffer)
 
     @classmethod
-    def decode(cls, raw: str | bytes) -> PredictRequest:
+    def frame(cls, images: Sequence[tuple[str | None, bytes]], **header: Any) -> bytes:
+        """A message built from separate images (tests, benchmarks, tools): the images laid end to
+        end, then the header (every PredictHeader field but `images`)."""
+        buffer, placed = bytearray(), []
+        for filename, data in images:
+            placed.append((filename, len(buffer), len(data)))
+            buffer += data
+        return bytes(cls.frame_in_place(buffer, PredictHeader(images=placed, **header)))
+
+    @staticmethod
+    def is_frame(raw: bytes) -> bool:
+        return raw[-4:] == FRAME_TAG
+
+    @classmethod
+    def decode(cls, raw: bytes) -> PredictRequest:
+        if len(raw) < _TRAILER.size or not cls.is_frame(raw):
+            raise MalformedMessage("not a prediction request: no frame trailer")
+        header_length, _ = _TRAILER.unpack_from(raw, len(raw) - _TRAILER.size)
+        payload_end = len(raw) - _TRAILER.size - header_length
+        if header_length > MAX_HEADER_BYTES or payload_end < 0:
+            raise MalformedMessage("not a prediction request: header length out of range")
         try:
-            return cls.model_validate_json(raw)
+            header = PredictHeader.model_validate_json(raw[payload_end:len(raw) - _TRAILER.size])
         except ValidationError as exc:
             raise MalformedMessage(f"not a prediction request: {exc.error_count()} error(s)") from exc
+        if any(offset < 0 or length < 0 or offset + length > payload_end for _, offset, length in header.images):
+            raise MalformedMessage("not a prediction request: an image lies outside the frame")
+        return cls(header, raw)
 
 
 class PredictReply:
@@ -115,19 +173,21 @@ class PredictReply:
 
     @classmethod
     def predictions(cls, job_id: str, model: str, device: str, classes: Sequence[str],
-                    images: Sequence[tuple[str | None, Sequence[int], Sequence[float]]]) -> PredictReply:
+                    images: Sequence[tuple[str | None, Sequence[int], Sequence[float]]],
+                    alias: str | None = None) -> PredictReply:
         """A 200 whose body is a `PredictResponse` (core/schemas.py) with the same fields and order as
         pydantic writes, encoded from plain lists: `images` holds (filename, class indices, probabilities),
-        best first. The worker answers every image this way; building and dumping the pydantic models
-        cost ~2× the CPU of `json.dumps` (27 against 15 µs per image, measured on this 2-core host),
-        which `strict_json` cuts by five again, and the worker's CPU per image is what bounds a GPU's
-        throughput. tests/core/test_wire.py holds the two equal, byte for byte. A model that outputs
-        NaN gets null, as pydantic writes it, never invalid JSON."""
+        best first; `alias` is the name the caller used, if any. The worker answers every image this
+        way because building and dumping the pydantic models costs several times the CPU, and the
+        worker's CPU per image is what bounds a fast device's throughput (docs/benchmarks.md).
+        tests/core/test_wire.py holds the two equal, byte for byte. A model that outputs NaN gets
+        null, as pydantic writes it, never invalid JSON."""
         results: list[dict[str, Any]] = [{"filename": filename, "predictions": [
             {"label": classes[index], "index": index, "probability": probability}
             for index, probability in zip(indices, probabilities, strict=True)]}
             for filename, indices, probabilities in images]
-        document: dict[str, Any] = {"job_id": job_id, "model": model, "device": device, "results": results, "alias": None}
+        document: dict[str, Any] = {"job_id": job_id, "model": model, "device": device, "results": results,
+                                    "alias": alias}
         return cls(200, strict_json(document).decode())
 
     @classmethod
@@ -177,7 +237,7 @@ class WarmRequest(BaseModel):
 
     job_id: str
     reply_to: str
-    deadline: float = Field(description="Epoch s after which the caller no longer waits.")
+    deadline: float = Field(description="Redis's clock (epoch s) after which the caller no longer waits.")
 
     def encode(self) -> str:
         return self.PREFIX + self.model_dump_json()

@@ -75,8 +75,8 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     from worker.device import check_cuda
     from worker.device_health import DeviceHealth
     from worker.heartbeat import Heartbeat, Sweeper
-    from worker.inference import InferenceServer
     from worker.model_cache import ModelCache
+    from worker.serving.engine import InferenceServer
 
     check_cuda(device)
     # The jobs' torch threads: the process's default (all the cores, or OMP_NUM_THREADS), read here
@@ -98,11 +98,6 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     paths = CheckpointPaths(settings.checkpoints_dir)
     health = DeviceHealth(settings.device_fault_file, torch_device=device.torch_device)
     cache = ModelCache(paths, device.torch_device, settings.model_cache_count, settings.model_cache_bytes)
-    inference = InferenceServer(client, device, cache, max_batch=settings.predict_max_batch,
-                                max_wait_ms=settings.predict_max_wait_ms, max_pixels=settings.max_image_pixels,
-                                cpu_threads=settings.predict_cpu_threads,
-                                decode_threads=settings.predict_decode_threads,
-                                job_running=lambda: state.current_job is not None)
     out_of_service_once = threading.Lock()
 
     def take_out_of_service(reason: str) -> None:
@@ -113,6 +108,14 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
         log.error("taking %s out of service: %s; exiting for a fresh process", device.id, reason)
         inference.stop()
         os.kill(os.getpid(), signal.SIGTERM)
+
+    # Its own connection, which does not decode responses: prediction requests are binary frames.
+    inference = InferenceServer(connect(settings.resolved_redis_url(), decode_responses=False), device, cache,
+                                max_batch=settings.predict_max_batch, max_wait_ms=settings.predict_max_wait_ms,
+                                max_pixels=settings.max_image_pixels, cpu_threads=settings.predict_cpu_threads,
+                                decode_threads=settings.predict_decode_threads,
+                                job_running=lambda: state.current_job is not None, health=health,
+                                on_broken=take_out_of_service)
 
     heartbeat = Heartbeat(device, instance, registry, store, state, cache.resident, settings.heartbeat_interval_s,
                           inference_stats=inference.stats.as_dict,

@@ -36,6 +36,7 @@ class ResidentModel:
     signature: tuple[int, ...]  # `file_signature` of the file it came from
     nbytes: int
     one_image_s: float | None = None  # a CPU device's one-image forward, timed at load on the loading thread
+    warmed: bool = False  # its batch shapes have run once on the device (worker/serving/device_loop.warm)
 
 
 def file_signature(stat: os.stat_result) -> tuple[int, ...]:

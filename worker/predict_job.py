@@ -3,7 +3,7 @@ JSON-lines file (core/batch_predict.py is the API's side).
 
 The model is loaded as /predict loads it (worker/checkpoint.load_model: `weights_only`,
 `map_location` onto this worker's device, the checkpoint's recorded preprocessing), and each image
-goes through the same decode (worker/inference.decode_image) and the same forward graph (scale,
+goes through the same decode (worker/serving/decode.decode_image) and the same forward graph (scale,
 normalise, model, softmax in float32: worker/forward_graph.py), so a line's probabilities are
 /predict's for that image.
 
@@ -44,8 +44,8 @@ from core.storage import sha256_file
 from core.wire import strict_json
 from worker.checkpoint import ModelMeta, load_model
 from worker.forward_graph import ForwardGraph, build_forward
-from worker.inference import decode_image
 from worker.job_context import JobContext, JobFailed, JobOutcome, StopJob
+from worker.serving.decode import decode_image
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from core.errors import TorchyardError
+from core.errors import TorchyardError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +31,8 @@ def known_error_response(exc: Exception) -> JSONResponse | None:
     run outside FastAPI's routing and so outside its handlers."""
     if isinstance(exc, TorchyardError):
         headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+        if isinstance(exc, Unavailable) and exc.retry_after_s is not None:
+            headers = {"Retry-After": str(exc.retry_after_s)}
         return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=headers)
     if isinstance(exc, StarletteHTTPException):
         return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=exc.headers)

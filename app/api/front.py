@@ -64,11 +64,6 @@ class Rule:
         return method in self.methods and self._regex.match(path) is not None  # type: ignore[attr-defined]
 
 
-def predict_body_cap(settings: Settings) -> int:
-    """/predict: at most max_images_per_request images of max_image_bytes each, plus multipart framing."""
-    return settings.max_images_per_request * (settings.max_image_bytes + 64 * 1024) + 1024**2
-
-
 def route_rules(settings: Settings) -> list[Rule]:
     """THE route table of the gate: which paths are open, which bodies each takes. A route not
     listed needs the key and takes a body of at most TORCHYARD_MAX_JSON_BYTES of any type (the
@@ -81,7 +76,7 @@ def route_rules(settings: Settings) -> list[Rule]:
         Rule(frozenset({"POST"}), "/jobs", RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
         Rule(frozenset({"POST"}), "/datasets",
              RoutePolicy(max_body=settings.request_body_limit, content_types=MULTIPART)),
-        Rule(frozenset({"POST"}), "/predict", RoutePolicy(max_body=predict_body_cap(settings), content_types=MULTIPART)),
+        Rule(frozenset({"POST"}), "/predict", RoutePolicy(max_body=settings.max_predict_request_bytes, content_types=MULTIPART)),
         Rule(frozenset({"PUT"}), "/aliases/{name}", RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
         Rule(frozenset({"POST"}), "/jobs/{job_id}/evaluate",
              RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),

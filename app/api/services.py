@@ -52,9 +52,7 @@ class Services:
                         max_attempts=settings.max_attempts, dispatch_grace_s=settings.dispatch_grace_s)
         devices = DeviceRegistry(client, settings.heartbeat_ttl_s)
         datasets = DatasetCatalog(client, settings, jobs)
-        predictions = PredictionClient(aclient, timeout_s=settings.predict_timeout_s,
-                                       max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels,
-                                       max_images=settings.max_images_per_request)
+        predictions = PredictionClient(aclient, settings)
         aliases = AliasService(AliasStore(client), ModelWarmer(client, devices, settings.alias_warm_timeout_s))
         deletion = JobDeletion(jobs, CheckpointPaths(settings.checkpoints_dir))
         deletion.protect(lambda job: _aliased_refusal(client, job))

@@ -18,12 +18,12 @@ from core import keys
 from core.storage import CheckpointPaths
 from core.wire import PredictReply
 from models.registry import build_model
-from tests.worker.test_inference import _encode, _request, _rgb, _save
+from tests.worker.serving.test_engine import _encode, _request, _rgb, _save
 from worker.checkpoint import ModelMeta, Preprocessing, save_model
 from worker.cpu_threads import HEAVY_FORWARD_S, ForwardThreads, pin_to_one_thread, run_in_own_thread
 from worker.device import WorkerDevice
-from worker.inference import InferenceServer
 from worker.model_cache import ModelCache
+from worker.serving.engine import InferenceServer
 
 
 def _parallel_work() -> None:
@@ -104,11 +104,11 @@ def _answer(client: redis.Redis, queue: str, png: bytes, key: str) -> PredictRep
     client.rpush(queue, _request("job-a", [png], key))
     reply = client.blpop([key], timeout=20)
     assert reply is not None
-    return PredictReply.decode_addressed(reply[1])[1]
+    return PredictReply.decode_addressed(reply[1].decode())[1]
 
 
 def test_the_forward_leaves_the_cores_to_a_job_and_takes_them_back(clean_redis_url: str, tmp_path) -> None:
-    client = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    client = redis.Redis.from_url(clean_redis_url)
     paths = CheckpointPaths(tmp_path)
     _save(paths, "job-a", 5)
     job = threading.Event()
@@ -121,14 +121,14 @@ def test_the_forward_leaves_the_cores_to_a_job_and_takes_them_back(clean_redis_u
     try:
         assert _answer(client, queue, png, "reply:idle").status == 200
         assert server.stats.as_dict()["forward_threads"] == 2
-        serving_thread = server._device_thread
+        serving_thread = server.device_loop.thread
 
         job.set()  # what JobRunner does: state.begin, then release_cores, then the job's thread
         started = time.monotonic()
         server.release_cores(timeout_s=10)
         assert time.monotonic() - started < 5
         serving_thread.join(5)
-        assert server._device_thread is not serving_thread and not serving_thread.is_alive()
+        assert server.device_loop.thread is not serving_thread and not serving_thread.is_alive()
         assert server.stats.as_dict()["forward_threads"] == 1
         assert _answer(client, queue, png, "reply:during-job").status == 200  # still served, on one thread
 
@@ -141,7 +141,7 @@ def test_the_forward_leaves_the_cores_to_a_job_and_takes_them_back(clean_redis_u
     finally:
         server.stop()
         server.join()
-    assert not server._device_thread.is_alive()
+    assert not server.device_loop.thread.is_alive()
 
 
 @pytest.mark.skipif((psutil.cpu_count() or 1) < 2, reason="a team needs two cores")
@@ -150,7 +150,7 @@ def test_a_light_models_forward_makes_no_team_and_a_heavy_ones_does(clean_redis_
     with no count configured its batches run on one thread and no OpenMP thread appears in the
     process; with TORCHYARD_PREDICT_CPU_THREADS=2 the same batches start one, and so does a heavy
     model's forward (resnet18 at 64×64, ~35 ms on one thread here) with no count configured."""
-    client = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    client = redis.Redis.from_url(clean_redis_url)
     paths = CheckpointPaths(tmp_path)
     _save(paths, "job-a", 5)
     torch.manual_seed(0)
@@ -173,7 +173,7 @@ def test_a_light_models_forward_makes_no_team_and_a_heavy_ones_does(clean_redis_
             for i in range(4):  # one image each: decoded on the intake, answered by the device thread
                 client.rpush(keys.predict_queue(device.id), _request(job_id, [png], f"reply:{label}:{i}"))
                 reply = client.blpop([f"reply:{label}:{i}"], timeout=30)
-                assert reply is not None and PredictReply.decode_addressed(reply[1])[1].status == 200
+                assert reply is not None and PredictReply.decode_addressed(reply[1].decode())[1].status == 200
             created[label] = _os_threads() - before
             one_image_s = cache.get(job_id).one_image_s
             assert one_image_s is not None and (one_image_s >= HEAVY_FORWARD_S) == (label == "heavy")

@@ -13,7 +13,6 @@ import torch
 from PIL import Image
 
 from worker.checkpoint import ModelMeta, Preprocessing
-from worker.inference import decode_image
 from worker.predict_job import (
     ForwardThreadChoice,
     ResumePoint,
@@ -25,6 +24,7 @@ from worker.predict_job import (
     thread_split,
     true_label,
 )
+from worker.serving.decode import decode_image
 
 META = ModelMeta("cifar_net", 3, ["cat", "dog", "eel"], Preprocessing(3, 16, 16, (0.5,) * 3, (0.25,) * 3), "job")
 

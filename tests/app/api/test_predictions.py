@@ -1,5 +1,6 @@
 """The API side of /predict against a real Redis: header checks, the order of errors, the worker
-choice, and a bounded wait (503) when nobody answers. The worker side is played by hand here."""
+choice, and a bounded wait (503) when nobody answers. Requests go in as the multipart bodies
+clients send; the worker side is played by hand here."""
 
 from __future__ import annotations
 
@@ -9,46 +10,61 @@ import json
 import uuid
 from collections.abc import Callable
 
+import httpx
 import numpy as np
 import pytest
 import redis
 import redis.asyncio as aioredis
 from PIL import Image
+from starlette.requests import Request
 
-from app.api.predictions import CoalescedScripts, PredictionClient, UploadedImage, check_image
+from app.api.coalesced_scripts import CoalescedScripts
+from app.api.predictions import PredictionClient, check_image
 from core import keys
+from core.config import Settings
 from core.errors import Conflict, InvalidInput, NotFound, TooLarge, Unavailable, UnsupportedMedia
 from core.redis import connect_async
 from core.wire import PredictRequest
 
 
-def _image(fmt: str = "PNG", size: tuple[int, int] = (8, 8)) -> UploadedImage:
+def _image(fmt: str = "PNG", size: tuple[int, int] = (8, 8), name: str | None = None) -> tuple[str, bytes]:
     buffer = io.BytesIO()
     Image.fromarray(np.zeros((size[1], size[0], 3), dtype=np.uint8)).save(buffer, format=fmt)
-    return UploadedImage(f"x.{fmt.lower()}", buffer.getvalue())
+    return name or f"x.{fmt.lower()}", buffer.getvalue()
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "BMP", "GIF"])
 def test_accepted_formats_pass_the_header_check(fmt: str) -> None:
-    check_image(_image(fmt), max_bytes=1 << 20, max_pixels=100)
+    check_image(*_image(fmt), max_pixels=100)
 
 
 def test_header_check_refusals() -> None:
     with pytest.raises(UnsupportedMedia):
-        check_image(UploadedImage("a.txt", b"hello"), 1 << 20, 100)
+        check_image("a.txt", b"hello", 100)
     with pytest.raises(UnsupportedMedia):
-        check_image(UploadedImage("empty.png", b""), 1 << 20, 100)
+        check_image("empty.png", b"", 100)
     with pytest.raises(UnsupportedMedia):
-        check_image(_image("TIFF"), 1 << 20, 100)
-    with pytest.raises(TooLarge):
-        check_image(_image(), max_bytes=10, max_pixels=100)
-    with pytest.raises(TooLarge):
-        check_image(_image(size=(20, 20)), max_bytes=1 << 20, max_pixels=100)
+        check_image(*_image("TIFF"), 100)
+    with pytest.raises(TooLarge, match="TORCHYARD_MAX_IMAGE_PIXELS"):
+        check_image(*_image(size=(20, 20)), max_pixels=100)
 
 
 def _client(url: str, timeout_s: float = 1.0) -> PredictionClient:
-    return PredictionClient(connect_async(url), timeout_s=timeout_s, max_bytes=1 << 20, max_pixels=10_000,
-                            max_images=4)
+    settings = Settings(predict_timeout_s=timeout_s, max_image_bytes=1 << 20, max_image_pixels=10_000,
+                        max_images_per_request=4)
+    return PredictionClient(connect_async(url), settings)
+
+
+def _raw(url: str) -> redis.Redis:
+    """A client as the worker's: prediction requests are binary frames."""
+    return redis.Redis.from_url(url)
+
+
+async def _predict(client: PredictionClient, job_id: str | None, images: list[tuple[str, bytes]], top_k: int,
+                   alias: str | None = None) -> bytes:
+    """POST /predict's body as httpx sends it, through PredictionClient.answer."""
+    fields = {"top_k": str(top_k), **({"job_id": job_id} if job_id else {}), **({"alias": alias} if alias else {})}
+    return await client.answer(_form_request([("file", (name, data, "image/png")) for name, data in images], fields))
 
 
 def _register_device(sync: redis.Redis, device_id: str, loaded: list[str], status: str = "idle",
@@ -70,17 +86,19 @@ def test_errors_come_in_order_and_no_worker_is_a_quick_503(clean_redis_url: str)
         client = _client(clean_redis_url, timeout_s=60)
         good = [_image()]
         with pytest.raises(InvalidInput):
-            await client.predict("donejob", [], 5)
+            await _predict(client, "donejob", [], 5)
+        with pytest.raises(InvalidInput):
+            await _predict(client, None, good, 5)
         with pytest.raises(TooLarge):
-            await client.predict("donejob", good * 5, 5)
+            await _predict(client, "donejob", good * 5, 5)
         with pytest.raises(UnsupportedMedia):  # the image is judged before the job
-            await client.predict("nosuchjob", [UploadedImage("a", b"x")], 5)
+            await _predict(client, "nosuchjob", [("a", b"x")], 5)
         with pytest.raises(NotFound):
-            await client.predict("nosuchjob", good, 5)
+            await _predict(client, "nosuchjob", good, 5)
         with pytest.raises(Conflict):
-            await client.predict("queuedjob", good, 5)
+            await _predict(client, "queuedjob", good, 5)
         with pytest.raises(Unavailable, match="no live worker"):  # at once: nothing was queued to wait for
-            await client.predict("donejob", good, 5)
+            await _predict(client, "donejob", good, 5)
         assert not await client.redis.keys("ty:predict:*")
         await client.close()
         await client.redis.aclose()
@@ -96,13 +114,14 @@ def test_a_worker_that_never_answers_is_a_503_after_the_timeout(clean_redis_url:
     async def scenario() -> None:
         client = _client(clean_redis_url, timeout_s=0.5)
         with pytest.raises(Unavailable, match="did not answer"):
-            await client.predict("donejob", [_image()], 5)
+            await _predict(client, "donejob", [_image()], 5)
         await client.close()
         await client.redis.aclose()
 
     asyncio.run(scenario())
-    queued = PredictRequest.decode(sync.lpop(keys.predict_queue("n/cpu")))  # it did reach the device's list
-    assert queued.job_id == "donejob" and queued.deadline > queued.queued_at
+    queued = PredictRequest.decode(_raw(clean_redis_url).lpop(keys.predict_queue("n/cpu")))  # it reached the list
+    assert queued.header.job_id == "donejob" and queued.header.deadline > queued.header.queued_at
+    assert queued.image(0) == _image()  # the bytes the client sent, as they were
 
 
 def test_reply_passthrough_and_worker_choice(clean_redis_url: str) -> None:
@@ -113,20 +132,20 @@ def test_reply_passthrough_and_worker_choice(clean_redis_url: str) -> None:
     _register_device(sync, "n/cuda:1", [], status="idle")
 
     def fake_worker(body: str) -> None:
-        _, raw = sync.blpop([keys.predict_queue("n/cuda:0")], timeout=5)
+        _, raw = _raw(clean_redis_url).blpop([keys.predict_queue("n/cuda:0")], timeout=5)
         request = PredictRequest.decode(raw)
-        sync.rpush(request.reply_to, f"{request.request_id} {body}")
+        sync.rpush(request.header.reply_to, f"{request.header.request_id} {body}")
 
     async def scenario() -> None:
         client = _client(clean_redis_url, timeout_s=5)
         loop = asyncio.get_running_loop()
         answer = '{"job_id": "donejob", "results": []}'
         worker = loop.run_in_executor(None, fake_worker, f"200 {answer}")
-        assert await client.predict("donejob", [_image()], 3) == answer.encode()
+        assert await _predict(client, "donejob", [_image()], 3) == answer.encode()
         await worker
         worker = loop.run_in_executor(None, fake_worker, '415 {"detail": "x.png: cannot decode image"}')
         with pytest.raises(UnsupportedMedia, match="cannot decode"):
-            await client.predict("donejob", [_image()], 3)
+            await _predict(client, "donejob", [_image()], 3)
         await worker
         await client.close()
         await client.redis.aclose()
@@ -139,24 +158,26 @@ def test_a_request_whose_worker_process_is_gone_is_sent_again(clean_redis_url: s
     """Four ways a worker holding a request goes away; each time the request is taken back off that
     worker's list and answered by a live one, with its id and deadline unchanged."""
     import app.api.predictions as predictions
+    from app.api.live_devices import LIVE_CACHE_S
 
     monkeypatch.setattr(predictions, "WATCH_S", 0.1)
     sync = redis.Redis.from_url(clean_redis_url, decode_responses=True)
     sync.hset(keys.job("donejob"), "status", "succeeded")
 
+    raw = _raw(clean_redis_url)
+
     def worker(device_id: str) -> PredictRequest:
         """Play `device_id`'s worker: take a request and answer it."""
-        _, raw = sync.blpop([keys.predict_queue(device_id)], timeout=10)
-        request = PredictRequest.decode(raw)
-        sync.rpush(request.reply_to, f"{request.request_id} 200 " + json.dumps({"device": device_id}))
+        _, message = raw.blpop([keys.predict_queue(device_id)], timeout=10)
+        request = PredictRequest.decode(message)
+        sync.rpush(request.header.reply_to, f"{request.header.request_id} 200 " + json.dumps({"device": device_id}))
         return request
 
     async def predict(client: PredictionClient) -> dict:
-        return json.loads(await client.predict("donejob", [_image()], 3))
+        return json.loads(await _predict(client, "donejob", [_image()], 3))
 
-    def queued(device_id: str) -> PredictRequest | None:
-        raw = sync.lindex(keys.predict_queue(device_id), 0)
-        return PredictRequest.decode(raw) if raw else None
+    def queued(device_id: str) -> bytes | None:
+        return raw.lindex(keys.predict_queue(device_id), 0)
 
     async def until(predicate: Callable[[], object]) -> None:
         for _ in range(1000):
@@ -176,28 +197,29 @@ def test_a_request_whose_worker_process_is_gone_is_sent_again(clean_redis_url: s
         _register_device(sync, "a/cpu", ["donejob"], instance="a-1")  # holds the model: chosen first
         _register_device(sync, "b/cpu", [], instance="b-1")
         pending = asyncio.ensure_future(predict(client))
-        _, raw = await loop.run_in_executor(None, lambda: sync.blpop([keys.predict_queue("a/cpu")], timeout=10))
-        first = PredictRequest.decode(raw)  # taken by a/cpu's worker, which now dies with it
-        sync.delete(keys.device_alive("a/cpu"))
+        _, taken = await loop.run_in_executor(None, lambda: raw.blpop([keys.predict_queue("a/cpu")], timeout=10))
+        sync.delete(keys.device_alive("a/cpu"))  # taken by a/cpu's worker, which now dies with it
         again = await loop.run_in_executor(None, worker, "b/cpu")
         assert (await pending)["device"] == "b/cpu"
-        assert (again.request_id, again.deadline) == (first.request_id, first.deadline)
+        assert again.raw == taken  # the same message, byte for byte: id, deadline and images unchanged
 
         # (2) Its worker died before taking it, and a fresh worker process holds the device now: the
         # dead one's copy is taken back off the list (nobody computes it) and a new one sent, which
         # the fresh process (its device holds the model) answers.
         _register_device(sync, "a/cpu", ["donejob"], instance="a-2")
         sync.delete(keys.device_alive("b/cpu"))
-        await asyncio.sleep(predictions.LIVE_CACHE_S)
+        await asyncio.sleep(LIVE_CACHE_S)
         pending = asyncio.ensure_future(predict(client))
         await until(lambda: queued("a/cpu"))
         original = queued("a/cpu")
         assert original is not None
         sync.set(keys.device_alive("a/cpu"), "a-3", px=60_000)  # the restart
-        await until(lambda: (q := queued("a/cpu")) is not None and q.queued_at > original.queued_at)
+        # The copy is taken back and the same message queued again (a resend re-encodes nothing).
+        await until(lambda: sum(orphaned) == 2)
+        await until(lambda: queued("a/cpu") is not None)
         served = await loop.run_in_executor(None, worker, "a/cpu")
         assert (await pending)["device"] == "a/cpu"
-        assert (served.request_id, served.deadline) == (original.request_id, original.deadline)
+        assert served.raw == original
         assert sync.llen(keys.predict_queue("a/cpu")) == 0  # the first copy is gone: taken back
 
         # (3) No live worker for a while: the request waits (no 503) and goes to the first worker back.
@@ -213,7 +235,7 @@ def test_a_request_whose_worker_process_is_gone_is_sent_again(clean_redis_url: s
 
         # (4) Its worker's device broke (the worker is alive, restarting: it serves no more): sent to b.
         _register_device(sync, "a/cpu", ["donejob"], instance="a-5")
-        await asyncio.sleep(predictions.LIVE_CACHE_S)
+        await asyncio.sleep(LIVE_CACHE_S)
         pending = asyncio.ensure_future(predict(client))
         await until(lambda: queued("a/cpu"))
         _register_device(sync, "a/cpu", ["donejob"], status="broken", instance="a-5")
@@ -286,18 +308,19 @@ def test_a_burst_of_predictions_is_queued_in_one_round_trip_and_answered_in_orde
     _register_device(sync, "n/cpu", [])
 
     def fake_worker(count: int) -> None:
+        raw = _raw(clean_redis_url)
         for _ in range(count):
-            _, raw = sync.blpop([keys.predict_queue("n/cpu")], timeout=5)
-            request = PredictRequest.decode(raw)
-            body = json.dumps({"job_id": request.job_id, "results": [{"filename": request.images[0].filename}]})
-            sync.rpush(request.reply_to, f"{request.request_id} 200 {body}")
+            _, message = raw.blpop([keys.predict_queue("n/cpu")], timeout=5)
+            request = PredictRequest.decode(message)
+            body = json.dumps({"job_id": request.header.job_id, "results": [{"filename": request.image(0)[0]}]})
+            sync.rpush(request.header.reply_to, f"{request.header.request_id} 200 {body}")
 
     async def scenario() -> None:
         client = _client(clean_redis_url, timeout_s=10)
         worker = asyncio.get_running_loop().run_in_executor(None, fake_worker, 24)
-        names = [UploadedImage(f"{i}.png", _image().data) for i in range(24)]
-        answers = await asyncio.gather(*(client.predict("donejob", [image], 1) for image in names),
-                                       client.predict("runningjob", [_image()], 1), return_exceptions=True)
+        names = [_image(name=f"{i}.png") for i in range(24)]
+        answers = await asyncio.gather(*(_predict(client, "donejob", [image], 1) for image in names),
+                                       _predict(client, "runningjob", [_image()], 1), return_exceptions=True)
         await worker
         assert [json.loads(a)["results"][0]["filename"] for a in answers[:24]] == [f"{i}.png" for i in range(24)]
         assert isinstance(answers[24], Conflict)
@@ -307,50 +330,18 @@ def test_a_burst_of_predictions_is_queued_in_one_round_trip_and_answered_in_orde
     asyncio.run(scenario())
 
 
-def _form_request(files: list[tuple[str, tuple]], data: dict[str, str]):
-    """A Starlette request carrying exactly the multipart body httpx would send."""
-    import httpx
-    from starlette.requests import Request
-
+def _form_request(files: list[tuple[str, tuple]], data: dict[str, str], chunk: int | None = None) -> Request:
+    """A Starlette request carrying exactly the multipart body httpx would send (in chunks of
+    `chunk` bytes, as a slow client's body arrives, when given)."""
     built = httpx.Request("POST", "http://x/predict", files=files, data=data)
     body = built.read()
+    pieces = [body[i:i + chunk] for i in range(0, len(body), chunk)] if chunk else [body]
+    pieces = pieces or [b""]
 
     async def receive() -> dict:
-        return {"type": "http.request", "body": body, "more_body": False}
+        piece = pieces.pop(0) if pieces else b""
+        return {"type": "http.request", "body": piece, "more_body": bool(pieces)}
 
     headers = [(k.lower().encode(), v.encode()) for k, v in built.headers.items()]
     return Request({"type": "http", "method": "POST", "path": "/predict", "headers": headers, "query_string": b""},
                    receive)
-
-
-def test_multipart_reader_matches_what_clients_send() -> None:
-    from app.api.multipart import read_form
-
-    png = _image().data
-    files = [("file", ("a.png", png, "image/png")), ("file", ('we"ird name.png', b"\r\n--x\r\n", "image/png"))]
-    form = asyncio.run(read_form(_form_request(files, {"job_id": "abc", "top_k": "3"}), max_parts=10,
-                                 file_fields=frozenset({"file"})))
-    assert form.fields == {"job_id": "abc", "top_k": "3"}
-    assert form.files["file"] == [("a.png", png), ("we%22ird name.png", b"\r\n--x\r\n")]  # as httpx escapes it
-
-
-@pytest.mark.parametrize("content_type,body", [
-    ("application/json", b'{"job_id": "x"}'),
-    ("multipart/form-data", b"--x\r\n"),  # no boundary parameter
-    ("multipart/form-data; boundary=x", b"garbage"),
-    ("multipart/form-data; boundary=x", b'--x\r\nContent-Disposition: form-data; name="a"\r\n\r\n1\r\n'),  # unclosed
-    ("multipart/form-data; boundary=x", b"--x\r\nno headers end\r\n--x--\r\n"),
-    ("multipart/form-data; boundary=x", b"--x\r\nContent-Type: text/plain\r\n\r\n1\r\n--x--\r\n"),
-])
-def test_multipart_reader_refuses_malformed_bodies(content_type: str, body: bytes) -> None:
-    from starlette.requests import Request
-
-    from app.api.multipart import read_form
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    request = Request({"type": "http", "method": "POST", "path": "/predict", "query_string": b"",
-                       "headers": [(b"content-type", content_type.encode())]}, receive)
-    with pytest.raises(InvalidInput):
-        asyncio.run(read_form(request, max_parts=10))

@@ -6,42 +6,46 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import redis
 
-from app.api.predictions import _MOVED, PredictionClient, _InFlight
+from app.api.predictions import _MOVED
 from core import keys
-from core.redis import connect_async
 from core.wire import PredictRequest
-from tests.app.api.test_predictions import _image, _register_device
+from tests.app.api.test_predictions import _client, _image, _predict, _raw, _register_device
 
 
 def test_a_request_is_queued_for_the_job_the_alias_names_at_that_moment(clean_redis_url: str) -> None:
     sync = redis.Redis.from_url(clean_redis_url, decode_responses=True)
     for job_id in ("jobaaaa", "jobbbbb"):
         sync.hset(keys.job(job_id), "status", "succeeded")
-    sync.hset(keys.ALIASES, "pets", "jobbbbb")
+    sync.hset(keys.ALIASES, "pets", "jobaaaa")
     _register_device(sync, "n/cpu", [])
+    served: list[PredictRequest] = []
 
     def fake_worker() -> None:
-        _, raw = sync.blpop([keys.predict_queue("n/cpu")], timeout=5)
+        """Takes the request; before answering it, the alias moves (as a PUT /aliases/pets would)."""
+        _, raw = _raw(clean_redis_url).blpop([keys.predict_queue("n/cpu")], timeout=5)
         request = PredictRequest.decode(raw)
-        body = {"job_id": request.job_id, "model": "cifar_net", "device": "n/cpu", "results": [], "alias": None}
-        sync.rpush(request.reply_to, f"{request.request_id} 200 {json.dumps(body)}")
+        served.append(request)
+        # The worker writes the alias the request named into its answer (worker/serving/replies.py).
+        body = {"job_id": request.header.job_id, "model": "cifar_net", "device": "n/cpu", "results": [],
+                "alias": request.header.alias}
+        sync.rpush(request.header.reply_to, f"{request.header.request_id} 200 {json.dumps(body)}")
 
     async def scenario() -> None:
-        client = PredictionClient(connect_async(clean_redis_url), timeout_s=5, max_bytes=1 << 20,
-                                  max_pixels=10_000, max_images=4)
-        # resolved to jobaaaa a moment ago, but the alias moved to jobbbbb since: nothing is queued
-        stale = _InFlight("jobaaaa", "pets", [_image()], 3, "some-request", time.time() + 5,
-                          asyncio.get_running_loop().create_future())
-        assert await client._queue(stale) == _MOVED and await client.redis.llen(keys.predict_queue("n/cpu")) == 0
-        assert stale.holder is None
+        client = _client(clean_redis_url, timeout_s=5)
+        # The script refuses to queue for a job the alias no longer names: nothing reaches the list.
+        script_result = await client._queue_if_alias_still_there(
+            keys=[keys.ALIASES, keys.job("jobbbbb"), keys.predict_queue("n/cpu")],
+            args=["pets", "jobbbbb", "succeeded", b"message"])
+        assert script_result == _MOVED and await client.redis.llen(keys.predict_queue("n/cpu")) == 0
+        sync.hset(keys.ALIASES, "pets", "jobbbbb")
         worker = asyncio.get_running_loop().run_in_executor(None, fake_worker)
-        answer = json.loads(await client.predict(None, [_image()], 3, alias="pets"))
+        answer = json.loads(await _predict(client, None, [_image()], 3, alias="pets"))
         await worker
         assert (answer["job_id"], answer["alias"]) == ("jobbbbb", "pets")
+        assert (served[0].header.job_id, served[0].header.alias) == ("jobbbbb", "pets")
         await client.close()
         await client.redis.aclose()
 

@@ -1,4 +1,4 @@
-"""How the inference engine (worker/inference.py) forms batches and gets them onto its device.
+"""How the serving engine (worker/serving/) forms batches and gets them onto its device.
 
 Kept apart from the threads and Redis so that every decision here runs in the CPU tests exactly
 as it runs on a GPU worker (CI has no GPU): the batching window, the bucketed batch sizes and the
@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker.pinned_ring import PinnedRing
+
 STAGING_BUFFERS = 2  # one being filled while the previous one's copy to the device completes
 
 
@@ -21,8 +23,7 @@ class BatchWindow:
       batch that had to wait out its window resets the expectation to what did arrive.
     - Under load the expected batch is the largest recent one, so with 32 clients in a closed
       loop the intake waits for the 32nd request instead of sending the first few it sees, as long
-      as the wait is worth it (below); with a fixed 2 ms window the batches of a heavy model at 32
-      clients held 10 to 20 images on this 2-core host.
+      as the wait is worth it (below).
     - The wait is bounded (below), timed from when the API queued the first request or
       from when the device became free, whichever is later: while the device is busy there is
       nothing to gain by handing over (in a closed loop most clients are waiting for the batch
@@ -35,18 +36,14 @@ class BatchWindow:
     The window is `max_wait_s` at most, and never longer than the device takes to compute a full
     batch (`note_forward`): waiting longer than that cannot pay, as the stragglers would be served
     sooner by the next batch, computed right after this one, than by holding this one while the
-    device idles. So a heavy model's batches still fill (resnet18 on this 2-core host, 32 clients:
-    a ~10 ms forward, 31.8-31.9 images a batch either way, the same throughput within the noise),
-    while a light one stops holding requests for company. cifar_net, whose batch of 32 computes in
-    ~1.3 ms here, two runs of each, alternating:
-    - 32 clients in a closed loop: 3,651-3,674 → 4,534-4,651 requests/s, p50 8.4-8.5 → 6.6 ms,
-      with batches of 9.9-10.6 images instead of 31.9-32.0: the API parses one batch's requests
-      while the worker computes another's, where full batches kept all 32 clients in one lockstep;
-    - open-loop (Poisson) traffic, p50: 5.6 → 2.2 ms at 500 requests/s, 9.2 → 2.9 at 1,500,
-      12.7 → 3.4 at 2,500, 14.8 → 6.4 at 3,500: the old window held each batch for as many
-      requests as the largest recent one while the device idled.
-    The average is the worker's, over whichever models its batches ran: a device serving a heavy
-    and a light model at once waits somewhere between what each alone would.
+    device idles. So a heavy model's batches still fill, while a light one stops holding requests
+    for company, and the API parses one batch's requests while the worker computes another's
+    (docs/benchmarks.md has the figures). The average is the worker's, over whichever models its
+    batches ran: a device serving a heavy and a light model at once waits somewhere between what
+    each alone would.
+
+    Times are this host's wall clock: the intake converts a request's `queued_at` from Redis's
+    clock (worker/serving/transport.py) before it opens a window with it.
     """
 
     FORWARD_WEIGHT = 0.2  # of the newest full batch in the running average of the forward's time
@@ -103,14 +100,17 @@ def bucket_size(n: int, max_batch: int) -> int:
     return min(max_batch, 1 << (n - 1).bit_length())
 
 
+def buckets(max_batch: int) -> list[int]:
+    """Every size `bucket_size` pads a batch to: the shapes a GPU device will run."""
+    return sorted({bucket_size(n, max_batch) for n in range(1, max_batch + 1)})
+
+
 class HostStaging:
-    """Pinned host buffers a batch is stacked into before it goes to the device.
+    """The host buffers a batch is stacked into before it goes to the device (worker/pinned_ring.py),
+    a ring per image shape.
 
     The decoded images are written straight into a buffer (no intermediate `np.stack`), padded rows
-    are zeroed, and the copy to the device is asynchronous (`non_blocking`, which is only
-    asynchronous from pinned memory). An event recorded after the copy guards the buffer: it is
-    written again only once that copy has completed, `STAGING_BUFFERS` batches later. On the CPU
-    (`pinned` False: no pinned memory, no events) the same rotation runs with plain buffers and
+    are zeroed, and the copy to the device is asynchronous from pinned memory on a GPU. On the CPU
     the copy is a real copy, so a later batch never overwrites a tensor still in use.
     """
 
@@ -118,10 +118,8 @@ class HostStaging:
         self.device = device
         self.capacity = capacity
         self.pinned = pinned
-        self.buffers: dict[tuple[int, ...], list[torch.Tensor]] = {}  # by image shape (C, H, W)
-        self._copied: dict[tuple[int, ...], list[torch.cuda.Event | None]] = {}
-        self._slot: dict[tuple[int, ...], int] = {}
         self.count = buffers
+        self.rings: dict[tuple[int, ...], PinnedRing[torch.Tensor]] = {}  # by image shape (C, H, W)
 
     def upload(self, arrays: list[np.ndarray], rows: int) -> torch.Tensor:
         """`arrays` (uint8, each C×H×W) as one `rows`-long uint8 batch on the device; rows past
@@ -129,24 +127,17 @@ class HostStaging:
         shape = tuple(arrays[0].shape)
         if rows > self.capacity or rows < len(arrays):
             raise ValueError(f"{len(arrays)} images in {rows} rows; the staging buffers hold {self.capacity}")
-        if shape not in self.buffers:
-            self.buffers[shape] = [torch.empty((self.capacity, *shape), dtype=torch.uint8, pin_memory=self.pinned)
-                                   for _ in range(self.count)]
-            self._copied[shape] = [None] * self.count
-            self._slot[shape] = -1
-        slot = self._slot[shape] = (self._slot[shape] + 1) % self.count
-        copied = self._copied[shape][slot]
-        if copied is not None:
-            copied.synchronize()  # the copy out of this buffer, `count` batches ago, has finished
-        buffer = self.buffers[shape][slot]
+        ring = self.rings.get(shape)
+        if ring is None:
+            ring = self.rings[shape] = PinnedRing(
+                lambda pinned: torch.empty((self.capacity, *shape), dtype=torch.uint8, pin_memory=pinned),
+                self.pinned, self.count)
+        buffer = ring.next()
         host = buffer.numpy()
         for row, array in enumerate(arrays):
             host[row] = array
         if rows > len(arrays):
             host[len(arrays):rows] = 0
         batch = buffer[:rows].to(self.device, non_blocking=self.pinned, copy=True)
-        if self.pinned:
-            event = torch.cuda.Event()
-            event.record()  # on the current (inference) stream, after the copy
-            self._copied[shape][slot] = event
+        ring.copies_issued()
         return batch

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.batching import BatchWindow, HostStaging, bucket_size
+from worker.serving.batching import BatchWindow, HostStaging, bucket_size, buckets
 
 WAIT = 0.002
 
@@ -68,6 +68,7 @@ def test_a_batch_never_waits_longer_than_the_device_takes_to_compute_one() -> No
 def test_batch_sizes_are_bucketed_to_powers_of_two_up_to_max_batch(n: int, bucket: int) -> None:
     assert bucket_size(n, 32) == bucket
     assert bucket_size(5, 6) == 6  # max_batch is a bucket of its own
+    assert buckets(32) == [1, 2, 4, 8, 16, 32] and buckets(6) == [1, 2, 4, 6]
     with pytest.raises(ValueError):
         bucket_size(0, 32)
 
@@ -78,7 +79,7 @@ def test_staging_pads_rotates_and_never_hands_out_its_own_buffer() -> None:
     first = staging.upload(arrays, rows=4)
     assert first.shape == (4, 3, 4, 4) and first.dtype == torch.uint8
     assert [int(first[i, 0, 0, 0]) for i in range(4)] == [1, 2, 3, 0]  # the padded row is zeros
-    buffers = staging.buffers[(3, 4, 4)]
+    buffers = staging.rings[(3, 4, 4)].slots
     assert len(buffers) == 2
     assert all(first.data_ptr() != b.data_ptr() for b in buffers)
     # the next two batches go through the other buffer and then the first again: the tensor handed
@@ -88,7 +89,7 @@ def test_staging_pads_rotates_and_never_hands_out_its_own_buffer() -> None:
     assert int(buffers[0][0, 0, 0, 0]) == 9 and int(first[0, 0, 0, 0]) == 1
     # another input shape gets its own buffers
     other = staging.upload([np.zeros((1, 2, 2), dtype=np.uint8)], rows=1)
-    assert other.shape == (1, 1, 2, 2) and (1, 2, 2) in staging.buffers
+    assert other.shape == (1, 1, 2, 2) and (1, 2, 2) in staging.rings
     with pytest.raises(ValueError):
         staging.upload(arrays, rows=9)
     with pytest.raises(ValueError):

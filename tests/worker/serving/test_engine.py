@@ -16,13 +16,14 @@ from PIL import Image
 
 from core import keys
 from core.storage import CheckpointPaths
-from core.wire import PredictReply, PredictRequest, WireImage
+from core.wire import PredictReply, PredictRequest
 from models.registry import build_model
 from worker.checkpoint import CheckpointError, ModelMeta, Preprocessing, save_model
 from worker.device import WorkerDevice
-from worker.inference import BadImage, DecodeSplit, InferenceServer, decode_image
 from worker.model_cache import ModelCache
 from worker.preprocess import image_to_array, normalize, stats_tensors
+from worker.serving.decode import BadImage, DecodeSplit, decode_image
+from worker.serving.engine import InferenceServer
 
 META = ModelMeta("cifar_net", 10, [f"c{i}" for i in range(10)],
                  Preprocessing(3, 32, 32, (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)), "job-a")
@@ -148,15 +149,17 @@ def test_cache_evicts_by_bytes(tmp_path) -> None:
     assert cache.resident() == ["b", "c"] and cache.evictions == 1
 
 
-def _request(job_id: str, images: list[bytes], reply_to: str, top_k: int = 3) -> str:
-    now = time.time()
-    return PredictRequest(job_id=job_id, top_k=top_k, reply_to=reply_to, request_id=f"id-{reply_to}",
-                          queued_at=now, deadline=now + 30,
-                          images=[WireImage(filename=f"{i}.png", data=d) for i, d in enumerate(images)]).encode()
+def _request(job_id: str, images: list[bytes], reply_to: str, top_k: int = 3, *, now: float | None = None,
+             alias: str | None = None) -> bytes:
+    """A request as an API process frames it; times on Redis's clock (this host's, in these tests)."""
+    now = time.time() if now is None else now
+    return PredictRequest.frame([(f"{i}.png", d) for i, d in enumerate(images)], job_id=job_id, alias=alias,
+                                top_k=top_k, reply_to=reply_to, request_id=f"id-{reply_to}", queued_at=now,
+                                deadline=now + 30)
 
 
 def test_queued_requests_run_as_one_batch_and_bad_ones_are_answered_alone(clean_redis_url: str, tmp_path) -> None:
-    client = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    client = redis.Redis.from_url(clean_redis_url)
     paths = CheckpointPaths(tmp_path)
     model = _save(paths, "job-a", 5)
     device = WorkerDevice("cpu", None, "testnode")
@@ -178,7 +181,7 @@ def test_queued_requests_run_as_one_batch_and_bad_ones_are_answered_alone(clean_
         server.stop()
         server.join()
     assert all(replies.values()), replies
-    addressed = {key: PredictReply.decode_addressed(value[1]) for key, value in replies.items()}
+    addressed = {key: PredictReply.decode_addressed(value[1].decode()) for key, value in replies.items()}
     assert all(request_id == f"id-{key}" for key, (request_id, _) in addressed.items())
     status = {key: str(reply.status) for key, (_, reply) in addressed.items()}
     assert status.pop("reply:bad") == "415" and status.pop("reply:missing") == "409"
@@ -215,7 +218,7 @@ def test_images_are_decoded_on_one_thread_until_they_cost_enough_for_the_pool() 
 def test_large_images_are_decoded_by_the_pool_with_the_same_answers(clean_redis_url: str, tmp_path) -> None:
     """The first batch is decoded on the intake thread and timed; 256×256 JPEGs cost far more than
     DecodeSplit.POOL_FROM_S each (~1 ms here), so the second is split over the pool, in order."""
-    client = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    client = redis.Redis.from_url(clean_redis_url)
     paths = CheckpointPaths(tmp_path)
     model = _save(paths, "job-a", 8)
     device = WorkerDevice("cpu", None, "testnode")
@@ -229,9 +232,9 @@ def test_large_images_are_decoded_by_the_pool_with_the_same_answers(clean_redis_
             client.rpush(keys.predict_queue(device.id), _request("job-a", jpegs, f"reply:{n}", top_k=10))
             reply = client.blpop([f"reply:{n}"], timeout=20)
             assert reply is not None
-            replies.append(PredictReply.decode_addressed(reply[1])[1])
+            replies.append(PredictReply.decode_addressed(reply[1].decode())[1])
             if n == 0:
-                assert server.decode_split.chunks(len(jpegs)) == 3  # measured: the next batch goes to the pool
+                assert server.decoder.split.chunks(len(jpegs)) == 3  # measured: the next batch goes to the pool
     finally:
         server.stop()
         server.join()
@@ -246,8 +249,8 @@ def test_large_images_are_decoded_by_the_pool_with_the_same_answers(clean_redis_
 
 
 def test_padding_to_a_bucket_as_on_a_gpu_changes_no_answer(clean_redis_url: str, tmp_path) -> None:
-    """The GPU path pads a batch of 3 to 4 rows (worker/batching.bucket_size); run it on the CPU."""
-    client = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    """The GPU path pads a batch of 3 to 4 rows (worker/serving/batching.bucket_size); run it on the CPU."""
+    client = redis.Redis.from_url(clean_redis_url)
     paths = CheckpointPaths(tmp_path)
     model = _save(paths, "job-a", 6)
     device = WorkerDevice("cpu", None, "testnode")
@@ -262,7 +265,7 @@ def test_padding_to_a_bucket_as_on_a_gpu_changes_no_answer(clean_redis_url: str,
         server.stop()
         server.join()
     assert reply is not None
-    _, answer = PredictReply.decode_addressed(reply[1])
+    _, answer = PredictReply.decode_addressed(reply[1].decode())
     assert answer.status == 200 and server.stats.as_dict()["batch_size_histogram"] == {"3": 1}
     mean, std = stats_tensors(META.preprocessing, "cpu")
     with torch.inference_mode():

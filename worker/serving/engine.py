@@ -1,0 +1,232 @@
+"""The serving engine: a device's /predict stages, wired together.
+
+Inference has its own consumer, a Redis list per device, read by threads of the worker, so a
+device that is training still answers: the training task holds Celery's only slot. The stages,
+each in its own module:
+
+- transport (worker/serving/transport.py): the list in Redis, binary frames in, replies out, and
+  Redis's clock;
+- batching (worker/serving/batching.py): when a batch is complete (`BatchWindow`), the padded
+  sizes and the staging buffers;
+- decode (worker/serving/decode.py): image bytes → the model's input, over the worker's cores;
+- the device loop (worker/serving/device_loop.py): the one thread that feeds the device;
+- replies (worker/serving/replies.py): top-k answers, sent while the device computes the next batch.
+
+The intake thread here runs the first three for one batch at a time: it takes requests off the
+list until the window says the batch is complete, loads the models they ask for (worker/
+model_cache.py; a model that was just loaded has its batch shapes run once, so no request pays
+for cuDNN's tuning), decodes the images (its own share, and the pool's), and hands the batch to
+the device loop, which computes the previous one meanwhile. Warm requests (an alias about to
+move) ride the same list and are answered once the model is resident.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import numpy as np
+import redis
+import torch
+
+from core.wire import PredictReply, PredictRequest, WarmedModel, WarmRequest
+from worker.checkpoint import CheckpointError
+from worker.cpu_threads import ForwardThreads, pin_to_one_thread, usable_cores
+from worker.device import WorkerDevice
+from worker.device_health import DeviceHealth
+from worker.model_cache import ModelCache, ResidentModel
+from worker.serving.batching import BatchWindow
+from worker.serving.decode import BadImage, Decoder
+from worker.serving.device_loop import DeviceLoop
+from worker.serving.replies import PreparedGroup, send_results
+from worker.serving.stats import InferenceStats
+from worker.serving.transport import Transport
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.001  # the longest sleep between two polls of the list while a batch fills
+POLL_MIN_S = 0.0002  # while a batch waits for the device, or while requests are arriving
+
+
+class InferenceServer:
+    def __init__(self, client: redis.Redis, device: WorkerDevice, cache: ModelCache, *, max_batch: int,
+                 max_wait_ms: float, max_pixels: int, cpu_threads: int | None = None,
+                 decode_threads: int | None = None, pad_to_buckets: bool | None = None,
+                 job_running: Callable[[], bool] | None = None, health: DeviceHealth | None = None,
+                 on_broken: Callable[[str], None] = lambda reason: None) -> None:
+        """`client` must not decode responses (requests are binary frames). A CPU device's forward
+        runs on all the cores for a heavy model (or `cpu_threads` for every model) while no job
+        runs on this worker, on one for a light model, on one while a job runs (worker/cpu_threads.py).
+        Padding to bucketed sizes pays on a GPU and costs on a CPU; the tests turn it on for the
+        CPU to run the same path."""
+        self.device = device
+        self.cache = cache
+        self.max_batch = max_batch
+        self.transport = Transport(client, device.id)
+        self.stats = InferenceStats(cache.stats)
+        self.window = BatchWindow(max_batch, max_wait_ms / 1000)
+        self.decoder = Decoder(decode_threads or usable_cores(), max_pixels)
+        self._halt = threading.Event()
+        self._warms: list[WarmRequest] = []  # taken off the list with the requests, served after them
+        self.device_loop = DeviceLoop(
+            device, self._halt, max_batch=max_batch,
+            pad_to_buckets=device.kind == "cuda" if pad_to_buckets is None else pad_to_buckets,
+            forward_threads=ForwardThreads(cpu_threads or usable_cores(), every_model=cpu_threads is not None),
+            job_running=job_running or (lambda: False), window=self.window, stats=self.stats,
+            answer=self._answer, answer_later=self._answer_later,
+            refuse=lambda group, status, detail: self.transport.send_errors([r for r, _ in group.owners], status, detail),
+            health=health, on_broken=on_broken)
+        self._intake_thread = threading.Thread(target=self._intake_loop, name="torchyard-intake", daemon=True)
+
+    def start(self) -> None:
+        if self.device.kind == "cuda":
+            # Tuned once per input shape: batch sizes are bucketed (worker/serving/batching.py). Set
+            # before any model loads: a traced graph keeps the cuDNN flags it was traced under.
+            torch.backends.cudnn.benchmark = True
+        self.device_loop.start()
+        self._intake_thread.start()
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._intake_thread.join(timeout)
+        self.device_loop.join(timeout)
+        self.decoder.shutdown()
+
+    def release_cores(self, timeout_s: float = 10.0) -> None:
+        """Before a job starts (`job_running` is true by now): wait until a CPU device's forward has
+        left the cores to it. Bounded: a forward that takes longer delays the job's start by
+        `timeout_s` at most."""
+        self.device_loop.release_cores(timeout_s)
+
+    # ------------------------------------------------------------------ intake thread
+    def _intake_loop(self) -> None:
+        # The worker's imports, Celery and torch state live as long as the process: keep them out
+        # of the collector's full passes, which scan them all and stall a batch.
+        gc.freeze()
+        pin_to_one_thread()  # it loads models: their copies must not make an OpenMP team here
+        while not self._halt.is_set():
+            try:
+                requests = self._collect()
+                if requests:
+                    groups = self._prepare(requests)
+                    if groups:
+                        self.device_loop.hand_over(groups)
+                if self._warms:
+                    self._serve_warms()
+            except redis.RedisError as exc:
+                log.warning("inference: Redis unavailable (%s); retrying", exc)
+                self._halt.wait(0.5)
+            except Exception:
+                log.exception("inference intake error")
+
+    def _collect(self) -> list[PredictRequest]:
+        """Block for a first request, then take what comes until the window says the batch is complete."""
+        requests: list[PredictRequest] = []
+        images = self.transport.decode(self.transport.take_first(self.max_batch), requests, self._warms)
+        if not requests:
+            return []
+        # Poll rather than BLPOP: an idle Redis wakes for blocking timeouts only every 1/hz (100 ms
+        # by default), far coarser than a batching window of a few milliseconds. Each poll is a
+        # Redis call for the worker and for Redis: at most one a millisecond while the list is
+        # quiet, one every POLL_MIN_S while requests are arriving or a batch waits for the device.
+        first_queued_at = self.transport.local_time(requests[0].header.queued_at)
+        arriving = True  # the last poll found requests: the rest of a burst is likely on its way
+        loop = self.device_loop
+        while True:
+            busy = loop.waiting_or_computing()
+            opened_at = max(first_queued_at, loop.free_at)
+            if self.window.ready(images, opened_at, now := time.time(), busy):
+                break
+            if loop.busy.is_set():
+                # Polls while the device computes only gather what it takes next: wait for it to be
+                # free (woken that moment) or for a poll period, whichever is sooner.
+                loop.idle.wait(POLL_S)
+            elif busy or arriving:
+                # The API's requests of a burst land together, a fraction of a millisecond after the
+                # first ones: polling fast here takes the rest of the burst into this batch.
+                time.sleep(POLL_MIN_S)
+            else:
+                time.sleep(min(POLL_S, max(POLL_MIN_S, self.window.deadline(opened_at) - now)))
+            arrived = self.transport.take_more(self.max_batch - images)
+            arriving = bool(arrived)
+            images += self.transport.decode(arrived, requests, self._warms)
+        self.window.observe(images)
+        return requests
+
+    def _prepare(self, requests: list[PredictRequest]) -> list[PreparedGroup]:
+        """Group by model, decode every image, answer the requests that cannot run."""
+        now = time.time()
+        by_job: dict[str, list[PredictRequest]] = defaultdict(list)
+        for request in requests:
+            if self.transport.local_time(request.header.deadline) >= now:  # else the caller has given up already
+                by_job[request.header.job_id].append(request)
+        groups = []
+        for job_id, group in by_job.items():
+            try:
+                entry = self._resident(job_id)
+            except CheckpointError as exc:
+                self.transport.send_errors(group, 409, str(exc))
+                continue
+            except Exception as exc:  # a failure answers its callers and never stops the thread
+                self.stats.failed()
+                log.exception("loading the model of job %s failed", job_id)
+                self.transport.send_errors(group, 503, f"inference failed on {self.device.id}: {exc}")
+                continue
+            decoded = self.decoder.decode_all([request.image(i)[1] for request in group
+                                               for i in range(request.image_count)], entry.meta)
+            prepared = PreparedGroup(job_id, entry)
+            at = 0
+            for request in group:
+                mine = decoded[at:at + request.image_count]
+                at += request.image_count
+                failure = next(((i, d) for i, d in enumerate(mine) if isinstance(d, BadImage)), None)
+                if failure is not None:  # the whole request is refused, naming the file at fault
+                    index, bad = failure
+                    assert isinstance(bad, BadImage)
+                    self.transport.send_errors([request], bad.status, f"{request.header.images[index][0] or 'image'}: {bad}")
+                    continue
+                prepared.owners.append((request, len(prepared.arrays)))
+                prepared.arrays.extend(d for d in mine if isinstance(d, np.ndarray))
+            if prepared.arrays:
+                groups.append(prepared)
+        return groups
+
+    def _resident(self, job_id: str) -> ResidentModel:
+        """The job's model on the device; one that was just loaded has its batch shapes run once."""
+        entry = self.cache.get(job_id)
+        if not entry.warmed:
+            self.device_loop.warm(entry)
+            entry.warmed = True
+        return entry
+
+    def _answer(self, group: PreparedGroup, probabilities: torch.Tensor) -> None:
+        send_results(self.transport, self.device.id, group, probabilities)
+
+    def _answer_later(self, group: PreparedGroup, probabilities: torch.Tensor) -> None:
+        """On a pool thread, while the device computes the next batch."""
+        self.decoder.pool.submit(self._answer, group, probabilities)
+
+    def _serve_warms(self) -> None:
+        """Load each warmed job's model (an alias is about to move to it) and say when it is resident."""
+        warms, self._warms = self._warms, []
+        for warm in warms:
+            if self.transport.local_time(warm.deadline) < time.time():
+                continue  # the caller has given up already
+            started = time.perf_counter()
+            loaded = warm.job_id not in self.cache.resident()
+            try:
+                self._resident(warm.job_id)
+                reply = PredictReply(200, WarmedModel(job_id=warm.job_id, device=self.device.id, loaded=loaded,
+                                                      seconds=round(time.perf_counter() - started, 4)).model_dump_json())
+            except CheckpointError as exc:
+                reply = PredictReply.error(409, str(exc))
+            except Exception as exc:
+                log.exception("warming job %s failed", warm.job_id)
+                reply = PredictReply.error(503, f"loading failed on {self.device.id}: {exc}")
+            self.transport.send_warm(warm, reply)
