@@ -23,10 +23,17 @@ _SCRIPT = Path(sys.executable).parent / "torchyard"
 CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "app.cli"]
 
 
-def _env(stack: dict, **extra: str) -> dict[str, str]:
-    env = {**os.environ, "TORCHYARD_URL": f"http://127.0.0.1:{stack['port']}", **extra}
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a CLI under test: this checkout's code first on the path (the console
+    script of a shared virtualenv imports the checkout it was installed from), no API key."""
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env.pop("TORCHYARD_API_KEY", None)
     return env
+
+
+def _env(stack: dict, **extra: str) -> dict[str, str]:
+    return cli_env(TORCHYARD_URL=f"http://127.0.0.1:{stack['port']}", **extra)
 
 
 def cli(stack: dict, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
