@@ -3,7 +3,7 @@
 Rendering is rich's: it sizes tables to the terminal, draws a live progress bar only where a
 terminal is there to redraw it, and degrades to plain text in a pipe or a log (no colours, no
 cursor movement, one line per epoch). Loaded only when a client command runs (see
-client/commands.py: a worker's start-up must not pay for it).
+client/commands/: a worker's start-up must not pay for it).
 """
 
 from __future__ import annotations
