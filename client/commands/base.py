@@ -68,6 +68,11 @@ def run_with_client(handler: Handler) -> Callable[[Settings, argparse.Namespace]
             return EXIT_ERROR
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED
+        except BrokenPipeError:
+            # `torchyard --json jobs | head`: the reader left; no traceback, and none again when
+            # Python flushes stdout at exit (the recipe of Python's signal module docs).
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return EXIT_ERROR
 
     return run
 

@@ -89,6 +89,14 @@ def test_predict(stack: dict, trained: dict) -> None:
     assert [r["predictions"][0]["label"] for r in answer["results"]] == ["pattern_3", "pattern_7"]
     assert len(answer["results"][0]["predictions"]) == 3
 
+    # Into a reader that has left (`| head -1` at its end): one exit status, no traceback.
+    piped = subprocess.Popen([*CLI, "--json", "predict", "--job", trained["id"], "examples/pattern_3.png"], cwd=REPO,
+                             env=_env(stack), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    piped.stdout.close()  # type: ignore[union-attr]
+    said = piped.stderr.read()  # type: ignore[union-attr]
+    assert piped.wait(240) == 1 and "Traceback" not in said and "BrokenPipe" not in said, said
+
     text = cli(stack, "predict", "--job", trained["id"], str(REPO / "examples" / "pattern_3.png"))
     assert text.returncode == 0, text.stderr
     first_row = text.stdout.splitlines()[1]
