@@ -139,7 +139,7 @@ def test_up_guards_its_data_dir_restarts_redis_and_a_broken_worker(tmp_path) -> 
         assert time.monotonic() - killed < 60
 
         done = wait_until(lambda: (j := client.get(f"/jobs/{job_id}").json())["status"] in ("succeeded", "failed")
-                          and j, timeout=180, what="the job to end")
+                          and j, timeout=420, what="the job to end")
         assert done["status"] == "succeeded" and done["attempts"] == 2, done
         assert [m["epoch"] for m in done["metrics"]] == list(range(1, epochs + 1))
         with client.stream("GET", f"/jobs/{job_id}/events") as response:
