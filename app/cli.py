@@ -1,5 +1,6 @@
-"""`torchyard up | api | worker`, plus the client commands of app/client_cli.py. Imports stay
-light here: a worker must pin its device before anything imports torch."""
+"""The `torchyard` command, the entry point of every process: `up | api | worker`, plus the client
+commands of client/commands/. It may import every package; nothing imports it. Imports stay light
+here: a worker must pin its device before anything imports torch."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import logging
 import os
 import sys
 
+from app.process import EXIT_CONFIGURATION_ERROR
 from core.config import Settings
+from core.logs import configure_logging
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+SERVER_COMMANDS = ("up", "api", "worker")
 
 
 def _refuse_unsafe_bind(settings: Settings) -> bool:
@@ -67,27 +70,34 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from client.commands import add_client_commands, add_connection_options  # stdlib only at import
+
     parser = argparse.ArgumentParser(prog="torchyard", description="Train and serve PyTorch image classifiers.")
+    add_connection_options(parser)  # before the command, or after it (each client command takes them too)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("up", help="the embedded stack: Redis, the API and one worker per device").set_defaults(run=_up)
     sub.add_parser("api", help="the HTTP API alone (uvicorn)").set_defaults(run=_api)
     worker = sub.add_parser("worker", help="one worker pinned to one device")
     worker.add_argument("--device", required=True, help="GPU index (0, 1, ...), GPU-/MIG- UUID, or 'cpu'")
     worker.set_defaults(run=_worker)
-    from client.commands import add_client_commands  # stdlib only at import; httpx loads in the handlers
-
     add_client_commands(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    from client.commands import CONNECTION_OPTIONS
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command in SERVER_COMMANDS and any(hasattr(args, name) for name in CONNECTION_OPTIONS):
+        parser.error(f"--url, --api-key and --json are options of the client commands, not of `{args.command}` "
+                     f"(the server's own settings are TORCHYARD_* variables)")
+    configure_logging()
     try:
         settings = Settings()
     except ValueError as exc:  # pydantic's ValidationError: one clear message, not a traceback
         logging.getLogger("torchyard").error("invalid settings: %s", exc)
-        return 2
+        return EXIT_CONFIGURATION_ERROR
     return args.run(settings, args)
 
 

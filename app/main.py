@@ -8,11 +8,13 @@ import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import Depends, FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -25,6 +27,16 @@ from core.config import Settings, get_settings
 from core.retention import Retention
 
 log = logging.getLogger(__name__)
+
+DOCS_ASSETS = "/docs/assets"  # Swagger UI's JavaScript and CSS (app/api/front.py serves them without the key)
+
+
+def swagger_ui_assets() -> str:
+    """The directory of Swagger UI's files in the fastapi-offline wheel (a maintained copy of the
+    swagger-ui-dist files FastAPI would load from a CDN)."""
+    import fastapi_offline
+
+    return str(Path(fastapi_offline.__file__).resolve().parent / "static")
 
 
 async def _cleanup_forever(retention: Retention, interval_s: float) -> None:
@@ -103,6 +115,7 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
     app.edge = metrics.install_metrics(app, FrontGate(app.framework, settings, direct=predict.DIRECT))
     app.include_router(health.router)
     dashboard.install_dashboard(app)  # `/` and /static: no data in them, so no key needed
+    app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_assets()), name="docs-assets")  # nor in these
     documented = [Depends(bearer_scheme)]  # the key itself is checked by the front gate
 
     @app.get("/openapi.json", include_in_schema=False)
@@ -111,7 +124,13 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
 
     @app.get("/docs", include_in_schema=False)
     def docs() -> HTMLResponse:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="torchyard API")
+        # Swagger UI's files from the fastapi-offline wheel, served here: /docs works with no
+        # network (FastAPI's default loads them from a CDN, a blank page offline).
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="torchyard API",
+                                   swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+                                   swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+                                   swagger_ui_parameters={"validatorUrl": None})
 
     for module in (devices, models, datasets, jobs, predict, metrics, aliases, exports):
         app.include_router(module.router, dependencies=documented)

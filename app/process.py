@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
+# A process that exits with this status was started wrongly (a setting, a port in use, a device
+# held by another worker): starting it again changes nothing, so `up` stops instead of restarting it.
+EXIT_CONFIGURATION_ERROR = 2
 
 
 def die_with_parent() -> None:

@@ -295,10 +295,10 @@ def api_process_app() -> FastAPI:
     parent = multiprocessing.parent_process()
     if parent is not None and parent.pid != os.getppid():
         sys.exit(0)  # the parent died before the signal was armed
-    from app.cli import LOG_FORMAT
     from app.main import create_app
+    from core.logs import configure_logging
 
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    configure_logging()
     settings = get_settings()
     GuardedHttpProtocol.configure(settings)
     return create_app(settings)

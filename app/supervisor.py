@@ -8,7 +8,11 @@ a parent-death signal, so even a SIGKILLed supervisor leaves nothing behind.
 
 `up` holds an exclusive lock on its data dir (`DataDirLock`) for its whole life: a second `up`
 on the same data dir refuses to start, instead of unlinking the first one's Redis socket and
-starting a second Redis on the same append-only file.
+starting a second Redis on the same append-only file. Before it starts anything it checks that the
+API's port is free (a second `make run`: it says what holds the port and exits 2, with no Redis or
+worker started). It says "torchyard is up" once the API answers /healthz, and a child that exits
+with status 2 (EXIT_CONFIGURATION_ERROR: a setting, a port, a device held elsewhere) is not
+restarted: `up` stops everything and exits 2, its message in the log above.
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.embedded_redis import EmbeddedRedis
-from app.process import die_with_parent
+from app.ports import port_in_use
+from app.process import EXIT_CONFIGURATION_ERROR, die_with_parent
 from core.config import Settings
 
 log = logging.getLogger("torchyard.supervisor")
@@ -38,7 +44,8 @@ STOP_GRACE_S = 60.0
 REDIS_BACKOFF_MAX_S = 5.0
 REDIS_START_TIMEOUT_S = 120.0  # a long append-only file takes a while to load
 LOCK_FILE = "up.lock"
-EXIT_DATA_DIR_IN_USE = 2
+EXIT_DATA_DIR_IN_USE = EXIT_CONFIGURATION_ERROR
+HEALTH_TIMEOUT_S = 0.5  # one /healthz probe of the API before the banner
 
 
 class DataDirInUse(RuntimeError):
@@ -122,6 +129,8 @@ class Supervisor:
         self._redis_started_at = 0.0
         self._redis_next_start = 0.0
         self._redis_backoff_s = 0.0
+        self._announced = False
+        self.exit_code = 0
 
     def plan(self, redis_url: str) -> list[Child]:
         base = {**os.environ, "TORCHYARD_REDIS_URL": redis_url, "TORCHYARD_DATA_DIR": str(self.settings.data_dir),
@@ -143,6 +152,11 @@ class Supervisor:
         except DataDirInUse as exc:
             log.error("%s", exc)
             return EXIT_DATA_DIR_IN_USE
+        taken = port_in_use(self.settings.host, self.settings.port)
+        if taken:
+            log.error("%s; stop it, or start torchyard on another port (TORCHYARD_PORT=8001 make run)", taken)
+            self.lock.release()
+            return EXIT_CONFIGURATION_ERROR
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda signum, _frame: self._request_stop(signum))
         try:
@@ -154,13 +168,31 @@ class Supervisor:
             self.children = self.plan(redis_url)
             for child in self.children:
                 child.start()
-            log.info("torchyard is up: API on http://%s:%d, %d worker(s); Ctrl-C stops everything",
-                     self.settings.host, self.settings.port, len(self.children) - 1)
             while not self.stopping.wait(0.5):
                 self._watch()
+                if not self._announced and not self.stopping.is_set():
+                    self._announce_when_serving()
         finally:
             self._shutdown()
-        return 0
+        return self.exit_code
+
+    def _announce_when_serving(self) -> None:
+        """The banner, once the API answers: before, "up" would be a promise (the port may be taken)."""
+        try:
+            with urllib.request.urlopen(f"{self.local_url}/healthz", timeout=HEALTH_TIMEOUT_S) as answer:
+                if answer.status != 200:
+                    return
+        except OSError:
+            return
+        self._announced = True
+        log.info("torchyard is up: API and dashboard on %s, %d worker(s); the CLI: %s; Ctrl-C stops everything",
+                 self.local_url, len(self.children) - 1, cli_hint(self.local_url))
+
+    @property
+    def local_url(self) -> str:
+        """Where this host reaches the API (a wildcard bind is reached on loopback)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.settings.host, self.settings.host)
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.settings.port}"
 
     def _request_stop(self, signum: int) -> None:
         if not self.stopping.is_set():
@@ -173,6 +205,13 @@ class Supervisor:
         for child in self.children:
             if child.process is not None and child.process.poll() is not None:
                 code = child.process.returncode
+                if code == EXIT_CONFIGURATION_ERROR:
+                    log.error("%s exited with code %d: it cannot run as configured (its message is above); "
+                              "stopping everything", child.name, code)
+                    child.process = None
+                    self.exit_code = EXIT_CONFIGURATION_ERROR
+                    self.stopping.set()
+                    return
                 if now - child.started_at >= HEALTHY_AFTER_S:
                     child.backoff_s = 1.0
                 child.next_start = now + child.backoff_s
@@ -227,3 +266,16 @@ class Supervisor:
             self.redis.stop()
         self.lock.release()
         log.info("stopped")
+
+
+def cli_hint(url: str) -> str:
+    """How to run the client from here: `torchyard` when it is on the PATH, else the console script
+    beside this interpreter (`.venv/bin/torchyard` after `make run`), with --url when not the default."""
+    script = Path(sys.executable).parent / "torchyard"
+    if shutil.which("torchyard") == str(script) or (shutil.which("torchyard") and not script.exists()):
+        command = "torchyard"
+    elif script.exists():
+        command = os.path.relpath(script) if script.is_relative_to(Path.cwd()) else str(script)
+    else:
+        command = f"{sys.executable} -m app.cli"
+    return f"{command} devices" if url == "http://127.0.0.1:8000" else f"{command} --url {url} devices"

@@ -3,7 +3,7 @@
 Rendering is rich's: it sizes tables to the terminal, draws a live progress bar only where a
 terminal is there to redraw it, and degrades to plain text in a pipe or a log (no colours, no
 cursor movement, one line per epoch). Loaded only when a client command runs (see
-client/commands.py: a worker's start-up must not pay for it).
+client/commands/: a worker's start-up must not pay for it).
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ def job_report(out: Console, job: Job) -> None:
                 f"{m.images_per_second:.0f}", f"{m.seconds:.1f}"] for m in job.metrics])
     if job.evaluation is not None:
         out.print()
-        evaluation_result(out, job.evaluation)
+        evaluation_result(out, job.evaluation, job.dataset_name)
     elif job.metrics and job.metrics[-1].per_class_accuracy:
         out.print()
         per_class_lines(out, job.metrics[-1].per_class_accuracy)
@@ -192,11 +192,12 @@ def per_class_lines(out: Console, per_class: dict[str, float]) -> None:
         out.print(f"Accuracy of {name:<{width}} : {100 * accuracy:3.0f} %")
 
 
-def evaluation_result(out: Console, result: EvaluationResult) -> None:
-    """Accuracy and loss, a bar per class, and the confusion matrix (rows: true, columns: predicted)."""
+def evaluation_result(out: Console, result: EvaluationResult, dataset_name: str | None = None) -> None:
+    """Accuracy and loss, a bar per class, and the confusion matrix (rows: true, columns: predicted).
+    The dataset goes by its name where the caller has it (the result records only its id)."""
     what = {"validation": f"validation split, epoch {result.epoch}" if result.epoch else "validation split",
             "test": "test split", "all": "all images"}[result.split]
-    out.print(f"{result.dataset} ({what}): accuracy {pct(result.accuracy)}, loss {num(result.loss)}, "
+    out.print(f"{dataset_name or result.dataset} ({what}): accuracy {pct(result.accuracy)}, loss {num(result.loss)}, "
               f"{result.num_images} images")
     bars = Table(box=None, show_header=False, pad_edge=False, padding=(0, 2))
     bars.add_column(no_wrap=True)
@@ -231,13 +232,14 @@ def evaluation_report(out: Console, evaluation: Evaluation) -> None:
         out.print(f"error: {evaluation.error}")
     if evaluation.result is not None:
         out.print()
-        evaluation_result(out, evaluation.result)
+        evaluation_result(out, evaluation.result, evaluation.dataset_name)
 
 
 def predictions(out: Console, answer: PredictResponse) -> None:
     """Per image: a heading, then one row per class with a bar of its probability."""
     for result in answer.results:
-        out.print(f"{result.filename}  ({answer.model}, job {answer.job_id}, on {answer.device})")
+        served_by = f"alias {answer.alias} → job {answer.job_id}" if answer.alias else f"job {answer.job_id}"
+        out.print(f"{result.filename}  ({answer.model}, {served_by}, on {answer.device})")
         rows = Table(box=None, show_header=False, pad_edge=False, padding=(0, 2))
         rows.add_column(no_wrap=True)
         rows.add_column(width=20)

@@ -25,14 +25,15 @@ import socket
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
-from httpx_sse import ServerSentEvent, connect_sse
+from httpx_sse import connect_sse
 
+from client.events import RETRIABLE_STATUSES, Event, Waiting, parse_event
 from core.schemas import (
     Alias,
     AliasHistory,
@@ -41,12 +42,13 @@ from core.schemas import (
     Evaluation,
     Job,
     JobList,
-    JobStatus,
     ModelInfo,
     PredictResponse,
 )
 
 DEFAULT_URL = "http://127.0.0.1:8000"
+
+T = TypeVar("T")
 
 
 def user_agent() -> str:
@@ -78,18 +80,10 @@ class ApiError(Exception):
     def __str__(self) -> str:
         return f"{self.status}: {self.detail}" if self.status else self.detail
 
-
-@dataclass(frozen=True)
-class Event:
-    """One server-sent event of a job: `kind` is status, progress, metrics or cancel_requested."""
-
-    id: str | None
-    kind: str
-    data: dict[str, Any]
-
     @property
-    def terminal(self) -> bool:
-        return self.kind == "status" and self.data.get("status") in {s.value for s in JobStatus if s.terminal}
+    def retriable(self) -> bool:
+        """The server is unreachable, restarting or without its Redis: the same call may succeed later."""
+        return self.status is None or self.status in RETRIABLE_STATUSES
 
 
 def _detail(response: httpx.Response) -> str:
@@ -101,17 +95,6 @@ def _detail(response: httpx.Response) -> str:
         detail = body["detail"]
         return detail if isinstance(detail, str) else json.dumps(detail)
     return response.text.strip() or response.reason_phrase
-
-
-def _event(sse: ServerSentEvent) -> Event | None:
-    """Our Event from httpx-sse's; None for a frame without data (the stream's `retry:` line)."""
-    if not sse.data:
-        return None
-    try:
-        parsed = json.loads(sse.data)
-    except ValueError:
-        parsed = {"raw": sse.data}
-    return Event(sse.id or None, sse.event, parsed if isinstance(parsed, dict) else {"value": parsed})
 
 
 def zip_directory(directory: Path, target: IO[bytes]) -> int:
@@ -264,15 +247,27 @@ class TorchyardClient:
         return self._download(f"/jobs/{job_id}/checkpoint", target, "X-Checkpoint-SHA256", f"checkpoint of {job_id}")
 
     def _download(self, url: str, target: str | Path, sha_header: str, what: str) -> tuple[Path, str]:
+        got = self._fetch(url, target, sha_header, what)
+        if isinstance(got, _Pending):
+            raise ApiError(202, f"{what} is not ready yet")
+        return got
+
+    def _fetch(self, url: str, target: str | Path, sha_header: str, what: str,
+               params: dict[str, Any] | None = None) -> tuple[Path, str] | _Pending:
+        """Stream `url` to `target` (written beside it, then renamed), checked against the sha256 in
+        `sha_header`: (path, sha256). A 202 (an export being built) writes nothing: `_Pending`."""
         target = Path(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(target.name + ".part")
         digest = hashlib.sha256()
         try:
-            with self._http.stream("GET", url) as response:
+            with self._http.stream("GET", url, params=params) as response:
                 if response.status_code >= 400:
                     response.read()
                     raise ApiError(response.status_code, _detail(response))
+                if response.status_code == 202:
+                    response.read()
+                    return _Pending(float(response.headers.get("Retry-After") or 2), response.headers.get("Location"))
                 with partial.open("wb") as out:
                     for chunk in response.iter_bytes(1 << 20):
                         digest.update(chunk)
@@ -317,45 +312,30 @@ class TorchyardClient:
         (202 + Retry-After), checked against X-Export-SHA256. Returns (path, sha256)."""
         deadline = time.monotonic() + timeout
         params: dict[str, Any] = {"format": fmt, **({"retry": "true"} if retry else {})}
-        target = Path(target)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_name(target.name + ".part")
         while True:
-            digest = hashlib.sha256()
-            try:
-                with self._http.stream("GET", f"/jobs/{job_id}/export", params=params) as response:
-                    if response.status_code >= 400:
-                        response.read()
-                        raise ApiError(response.status_code, _detail(response))
-                    if response.status_code == 202:
-                        response.read()
-                        wait = float(response.headers.get("Retry-After") or 2)
-                        if time.monotonic() + wait > deadline:
-                            raise ApiError(None, f"the {fmt} export of {job_id} was not ready within {timeout:g}s "
-                                                 f"(export job {response.headers.get('Location')})")
-                        params.pop("retry", None)  # one rebuild was asked for; now wait for it
-                        time.sleep(wait)
-                        continue
-                    with partial.open("wb") as out:
-                        for chunk in response.iter_bytes(1 << 20):
-                            digest.update(chunk)
-                            out.write(chunk)
-                    expected = response.headers.get("X-Export-SHA256")
-            except httpx.TransportError as exc:
-                partial.unlink(missing_ok=True)
-                raise ApiError(None, f"cannot reach torchyard at {self.url}: {exc}") from exc
-            if expected and expected != digest.hexdigest():
-                partial.unlink(missing_ok=True)
-                raise ApiError(None, f"the {fmt} export of {job_id} arrived corrupted (sha256 mismatch)")
-            partial.replace(target)
-            return target, digest.hexdigest()
+            got = self._fetch(f"/jobs/{job_id}/export", target, "X-Export-SHA256", f"the {fmt} export of {job_id}",
+                              params=params)
+            if not isinstance(got, _Pending):
+                return got
+            if time.monotonic() + got.retry_after_s > deadline:
+                raise ApiError(None, f"the {fmt} export of {job_id} was not ready within {timeout:g}s "
+                                     f"(export job {got.location})")
+            params.pop("retry", None)  # one rebuild was asked for; now wait for it
+            time.sleep(got.retry_after_s)
 
     # ------------------------------------------------------------------ following
-    def events(self, job_id: str, *, reconnect: bool = True, max_reconnects: int = 20) -> Iterator[Event]:
-        """A job's server-sent events until its terminal status. A dropped stream is resumed
-        with Last-Event-ID, so no event is lost or repeated across an API restart."""
+    def events(self, job_id: str, *, reconnect: bool = True,
+               on_wait: Callable[[str | None], None] | None = None) -> Iterator[Event]:
+        """A job's server-sent events until its terminal status.
+
+        The stream rides out what ends while the job goes on: a dropped connection, an API that is
+        restarting (refused connections) or answers 502/503/504 (its Redis is away). It reconnects
+        with Last-Event-ID, so no event is lost or repeated, backing off up to RECONNECT_MAX_S, for
+        as long as it takes: it ends only with the job (or the caller, Ctrl-C). `on_wait(reason)` is
+        called once when the waiting starts, `on_wait(None)` once when the stream is back.
+        `reconnect=False`: the first failure raises ApiError instead."""
         last_id: str | None = None
-        failures = 0
+        wait = Waiting(on_wait)
         while True:
             headers = {"Last-Event-ID": last_id} if last_id else {}
             try:
@@ -364,26 +344,49 @@ class TorchyardClient:
                     if source.response.status_code >= 400:
                         source.response.read()
                         raise ApiError(source.response.status_code, _detail(source.response))
+                    wait.over()
                     for sse in source.iter_sse():
-                        event = _event(sse)
+                        event = parse_event(sse)
                         if event is None:
                             continue
-                        failures = 0
                         last_id = event.id or last_id
                         yield event
                         if event.terminal:
                             return
+                # The server closed the stream without a terminal event (its Redis went away, or
+                # the job had ended before our Last-Event-ID): the job record says where it stands.
+                if not reconnect or self.job(job_id).status.terminal:
+                    return
             except httpx.TransportError as exc:
-                failures += 1
-                if not reconnect or failures > max_reconnects:
+                if not reconnect:
                     raise ApiError(None, f"lost the event stream of {job_id}: {exc}") from exc
-                time.sleep(min(2.0, 0.2 * failures))
+                wait.start(f"cannot reach torchyard at {self.url}")
+            except ApiError as exc:
+                if not reconnect or not exc.retriable:
+                    raise
+                wait.start(str(exc))
+            time.sleep(wait.next_pause())
+
+    def patiently(self, call: Callable[[], T], on_wait: Callable[[str | None], None] | None = None) -> T:
+        """`call()`, retried while the API cannot be reached or answers 502/503/504 (a restart, a
+        Redis outage), backing off as `events` does; any other error is raised at once."""
+        wait = Waiting(on_wait)
+        while True:
+            try:
+                result = call()
+            except ApiError as exc:
+                if not exc.retriable:
+                    raise
+                wait.start(str(exc))
+                time.sleep(wait.next_pause())
                 continue
-            # The server closed the stream without a terminal event (e.g. it already ended before
-            # our Last-Event-ID): the job record says where it stands.
-            if not reconnect or self.job(job_id).status.terminal:
-                return
-            failures += 1
-            if failures > max_reconnects:
-                return
-            time.sleep(min(2.0, 0.2 * failures))
+            wait.over()
+            return result
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A 202: what is asked for is being built (an export); ask again after `retry_after_s`."""
+
+    retry_after_s: float
+    location: str | None

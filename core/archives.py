@@ -433,8 +433,8 @@ def _verify_image(path: Path, max_pixels: int) -> str | None:
         # Only the allowlisted decoders: EPS would run Ghostscript on attacker PostScript in this process.
         with _pillow_limit(max_pixels), Image.open(path, formats=IMAGE_FORMATS) as im:
             im.load()
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        return f"image has more than {max_pixels} pixels"
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        return too_many_pixels(exc, max_pixels)
     except UnidentifiedImageError:
         with open(path, "rb") as fh:
             other = refused_format(fh.read(64))
@@ -444,6 +444,14 @@ def _verify_image(path: Path, max_pixels: int) -> str | None:
     except Exception:
         return "corrupt or truncated image"
     return None
+
+
+def too_many_pixels(bomb: Exception, max_pixels: int) -> str:
+    """Pillow's decompression-bomb error in torchyard's words: its own limit and the setting that
+    sets it, not Pillow's (which is twice it, with a warning below)."""
+    counted = re.search(r"\((\d+) pixels\)", str(bomb))
+    size = f"{int(counted.group(1)):,} pixels" if counted else f"more than {max_pixels:,} pixels"
+    return f"image has {size}, over the limit of {max_pixels:,} pixels (TORCHYARD_MAX_IMAGE_PIXELS)"
 
 
 @contextmanager

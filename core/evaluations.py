@@ -19,7 +19,7 @@ from core.jobs import JobStore, body_digest
 from core.lineage import record_dependent, trained_source
 from core.schemas import EvaluateSpec, Evaluation, Job, JobKind
 from core.storage import CheckpointPaths
-from core.submission import unlabeled_message
+from core.submission import check_two_classes, unlabeled_message
 
 # GET /jobs/{id} shows this many of a job's evaluations, newest first.
 LISTED_EVALUATIONS = 50
@@ -46,6 +46,7 @@ class Evaluations:
             raise InvalidInput(f"dataset {dataset.id} is not available: {dataset.description}")
         if not dataset.labeled:
             raise InvalidInput(unlabeled_message(dataset, "evaluate against"))
+        check_two_classes(dataset, "an evaluation")
         _check_classes(trained, dataset)
         device = self.devices.validate_request(spec.device)
         job, created = self.store.create(model=trained.model, dataset=dataset.id,

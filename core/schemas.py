@@ -54,13 +54,16 @@ class JobSpec(BaseModel):
                                  "flip drawn per image, on the device. Default: off.")
     # --- the training recipe (docs/training.md says what each default is and why) ---------
     schedule: Literal["onecycle", "cosine", "constant"] | None = Field(
-        default=None, description="Learning-rate schedule, stepped every step. Default: onecycle.")
+        default=None, description="Learning-rate schedule, stepped every step. Default: cosine (after a linear "
+                                  "warm-up) when the run has at least 200 optimizer steps; a shorter run keeps the "
+                                  "rate constant and its params record `constant`.")
     warmup_fraction: float | None = Field(default=None, ge=0.0, lt=1.0, description="Share of the steps spent "
-                                          "warming up (onecycle's rise, cosine's linear warm-up).")
+                                          "warming up (onecycle's rise, cosine's linear warm-up). Default: 0.05 "
+                                          "(cosine), 0.25 (onecycle).")
     weight_decay: float | None = Field(default=None, ge=0.0, le=1.0, description="Default: per optimizer.")
     label_smoothing: float | None = Field(default=None, ge=0.0, lt=1.0, description="Default: 0 (off).")
     patience: int | None = Field(default=None, ge=0, le=1000, description="Early stopping: stop after this many "
-                                 "epochs without a better `monitor`; 0 turns it off.")
+                                 "epochs without a better `monitor`; 0 turns it off. Default: 5.")
     monitor: Literal["val_accuracy", "val_loss"] | None = Field(
         default=None, description="What early stopping and the best epoch are judged by. Default: val_accuracy "
                                   "(ties broken by the lower val_loss).")
@@ -96,7 +99,7 @@ class PredictSpec(BaseModel):
     dataset: str = Field(min_length=1, max_length=200, description="An uploaded dataset's id or unique name, "
                                                                     "labelled (ImageFolder) or not.")
     top_k: int = Field(default=5, ge=1, le=1000, description="Predictions per image, at most the model's classes.")
-    batch_size: int | None = Field(default=None, ge=1, le=8192, description="Default: 64 on a CPU, 256 on a GPU.")
+    batch_size: int | None = Field(default=None, ge=1, le=8192, description="Default: 128 on a CPU, 256 on a GPU.")
     device: str = Field(default="auto", max_length=200, description='"auto", "cuda", "cpu" or a device id.')
 
     @model_validator(mode="after")

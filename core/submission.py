@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from core.admission import check_admission, job_shape
 from core.config import Settings
-from core.datasets import DatasetCatalog, DatasetRecord, split_sizes
+from core.datasets import DatasetCatalog, DatasetRecord, builtin_classes, split_sizes
 from core.devices import DeviceRegistry
 from core.errors import InvalidInput, NotFound
 from core.jobs import JobStore, body_digest
@@ -99,11 +99,23 @@ def unlabeled_message(dataset: DatasetRecord, action: str) -> str:
             f"to {action}; run a predict job on it, or upload it as <class>/<image> folders")
 
 
+def check_two_classes(dataset: DatasetRecord, action: str) -> None:
+    """A classifier tells classes apart: on one class every answer is right (accuracy 1.0, loss 0),
+    so training or evaluating on fewer than two is refused rather than reported as a success."""
+    classes = dataset.classes if dataset.classes is not None else builtin_classes(dataset.id)
+    if classes is not None and len(classes) < 2:
+        found = f"one class ({classes[0]!r})" if classes else "no class"
+        raise InvalidInput(f"dataset {dataset.id} ({dataset.name}) has {found}: {action} needs at least two classes, "
+                           f"one folder of images per class (<class>/<image>); a one-class upload can still be "
+                           f"predicted on (a predict job)")
+
+
 def _check_trainable(dataset: DatasetRecord, val_fraction: float) -> None:
     if not dataset.available:
         raise InvalidInput(f"dataset {dataset.id} is not available: {dataset.description}")
     if not dataset.labeled:
         raise InvalidInput(unlabeled_message(dataset, "train on"))
+    check_two_classes(dataset, "training")
     if dataset.num_images:
         n_train, n_val = split_sizes(dataset.num_images, val_fraction)
         if n_train < 1:

@@ -30,6 +30,7 @@ from core import keys
 from core.clock import redis_now, utc_now_iso
 from core.devices import DeviceRegistry
 from core.jobs import JobStore
+from core.logs import RedisOutageLog
 from core.redis import OUTAGE_ERRORS
 from core.schemas import Device
 from core.storage import CheckpointPaths
@@ -106,6 +107,7 @@ class Heartbeat(threading.Thread):
         self._last_ok: float | None = None
         self._healthy_since = time.monotonic()
         self._name = device.worker_name
+        self._outage = RedisOutageLog(log, f"worker {device.worker_name}")
 
     def snapshot(self, status: Literal["idle", "busy", "offline", "broken"] | None = None) -> Device:
         job = self.state.current_job
@@ -158,9 +160,10 @@ class Heartbeat(threading.Thread):
         while not self._halt.is_set():
             try:
                 self.beat()
+                self._outage.answered()
             except OUTAGE_ERRORS as exc:  # Redis restarting or away: keep beating, redis-py reconnects
                 self._last_ok = None
-                log.warning("heartbeat failed (%s: %s); retrying", type(exc).__name__, exc)
+                self._outage.unavailable(exc)  # once per outage, and once when it answers again
             except Exception:
                 log.exception("heartbeat error; going on")
             self._halt.wait(self.interval_s)

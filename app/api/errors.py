@@ -1,8 +1,13 @@
-"""The one mapping from errors to HTTP responses: always a JSON body with a human-readable `detail`."""
+"""The one mapping from errors to HTTP responses: always a JSON body with a human-readable `detail`.
+
+A request that fails validation is described in the user's words: the fields they sent, never
+pydantic's wrappers (`train.epochs`, the tag function of POST /jobs' union of kinds)."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import kombu.exceptions
 import redis
@@ -12,16 +17,50 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import TorchyardError, Unavailable
+from core.schemas import JobKind
 
 log = logging.getLogger(__name__)
 
 
-def _describe(errors: list[dict]) -> str:
-    parts = []
-    for error in errors:
-        where = ".".join(str(p) for p in error.get("loc", ()) if p not in ("body", "query", "path", "form"))
-        parts.append(f"{where}: {error.get('msg')}" if where else str(error.get("msg")))
-    return "; ".join(parts) or "invalid request"
+# Where pydantic says a value was: the request part, then (for POST /jobs' union of job kinds)
+# the tag of the kind it was checked as. Neither is a field the user wrote.
+_REQUEST_PARTS = frozenset({"body", "query", "path", "form", "header", "cookie"})
+_KIND_TAGS = frozenset(kind.value for kind in JobKind)
+
+
+def user_location(loc: Sequence[str | int]) -> list[str | int]:
+    """The field as the user wrote it: `["body", "train", "epochs"]` → `["epochs"]`."""
+    where = list(loc)
+    if where and where[0] in _REQUEST_PARTS:
+        where = where[1:]
+    if loc and loc[0] == "body" and where and where[0] in _KIND_TAGS:
+        where = where[1:]
+    return where
+
+
+def user_message(error: dict[str, Any]) -> str:
+    """One validation error in the user's words: their field's name, and what to send instead."""
+    kind, msg, ctx = error.get("type"), str(error.get("msg", "")), error.get("ctx") or {}
+    where = user_location(error.get("loc", ()))
+    field = ".".join(str(part) for part in where)
+    if kind == "union_tag_invalid":
+        return (f"kind {ctx.get('tag')!r} is not a kind of job POST /jobs creates: send \"train\" (the default) or "
+                f"\"predict\"; an evaluation is POST /jobs/{{id}}/evaluate, an export GET /jobs/{{id}}/export")
+    if kind == "extra_forbidden":
+        return f"unknown field {field!r}: not part of this request (the fields are in docs/api.md and at /docs)"
+    if kind == "missing":
+        return f"{field} is required"
+    if kind == "json_invalid":
+        return f"the body is not valid JSON ({ctx.get('error', msg)})"
+    if kind in ("model_attributes_type", "dict_type", "model_type") and not field:
+        return "the body must be a JSON object"
+    if kind == "value_error":
+        msg = msg.removeprefix("Value error, ")
+    return f"{field}: {msg}" if field else msg
+
+
+def _describe(errors: list[dict[str, Any]]) -> str:
+    return "; ".join(user_message(error) for error in errors) or "invalid request"
 
 
 def known_error_response(exc: Exception) -> JSONResponse | None:
@@ -55,8 +94,10 @@ def unexpected_error_response(exc: Exception, method: str, path: str, *, log_tra
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{k: v for k, v in e.items() if k in ("loc", "msg", "type")} for e in exc.errors()]
-        return JSONResponse({"detail": _describe(errors), "errors": errors}, status_code=422)
+        found = list(exc.errors())
+        errors = [{"loc": [*e.get("loc", ())[:1], *user_location(e.get("loc", ()))], "msg": user_message(e),
+                   "type": e.get("type")} for e in found]
+        return JSONResponse({"detail": _describe(found), "errors": errors}, status_code=422)
 
     @app.exception_handler(TorchyardError)
     @app.exception_handler(StarletteHTTPException)

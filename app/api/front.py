@@ -73,6 +73,7 @@ def route_rules(settings: Settings) -> list[Rule]:
         Rule(read, "/healthz", RoutePolicy(open=True)),
         Rule(read, "/", RoutePolicy(open=True)),  # the dashboard page: no data (its calls send the key)
         Rule(read, "/static/{path:path}", RoutePolicy(open=True)),
+        Rule(read, "/docs/assets/{path:path}", RoutePolicy(open=True)),  # Swagger UI's files; /docs needs the key
         Rule(frozenset({"POST"}), "/jobs", RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
         Rule(frozenset({"POST"}), "/datasets",
              RoutePolicy(max_body=settings.request_body_limit, content_types=MULTIPART)),
@@ -243,10 +244,12 @@ class FrontGate:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                if head.has_body and not guard.done:
+                headers = message.get("headers", [])
+                if head.has_body and not guard.done and not any(name.lower() == b"connection" for name, _ in headers):
                     # Answered before the body was read (an error mid-upload): close the connection,
                     # or uvicorn reads and discards the rest of the body to reach the next request.
-                    message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+                    # (A 408 or 413 of the body guard says so itself: one `connection` header, not two.)
+                    message = {**message, "headers": [*headers, (b"connection", b"close")]}
             await send(message)
 
         direct = self.direct.get((scope["method"], scope["path"]))

@@ -190,7 +190,9 @@ def test_image_above_pixel_limit_is_skipped(tmp_path: Path, dest: Path) -> None:
 
     assert result.class_counts == {"Cat": 1, "Dog": 1}
     assert {s.path for s in result.skipped} == {"Cat/huge.png", "Cat/giant.png"}
-    assert all("pixels" in s.reason for s in result.skipped)
+    limit = f"over the limit of {LIMITS.max_image_pixels:,} pixels (TORCHYARD_MAX_IMAGE_PIXELS)"
+    assert {s.path: s.reason for s in result.skipped} == {"Cat/huge.png": f"image has 4,900 pixels, {limit}",
+                                                         "Cat/giant.png": f"image has 10,000 pixels, {limit}"}
     assert not (dest / "Cat" / "huge.png").exists()
     assert before == Image.MAX_IMAGE_PIXELS  # the global is restored
 

@@ -23,10 +23,17 @@ _SCRIPT = Path(sys.executable).parent / "torchyard"
 CLI = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "app.cli"]
 
 
-def _env(stack: dict, **extra: str) -> dict[str, str]:
-    env = {**os.environ, "TORCHYARD_URL": f"http://127.0.0.1:{stack['port']}", **extra}
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment of a CLI under test: this checkout's code first on the path (the console
+    script of a shared virtualenv imports the checkout it was installed from), no API key."""
+    env = {**os.environ, **extra}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     env.pop("TORCHYARD_API_KEY", None)
     return env
+
+
+def _env(stack: dict, **extra: str) -> dict[str, str]:
+    return cli_env(TORCHYARD_URL=f"http://127.0.0.1:{stack['port']}", **extra)
 
 
 def cli(stack: dict, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -81,6 +88,14 @@ def test_predict(stack: dict, trained: dict) -> None:
     assert [r["filename"] for r in answer["results"]] == ["pattern_3.png", "pattern_7.png"]
     assert [r["predictions"][0]["label"] for r in answer["results"]] == ["pattern_3", "pattern_7"]
     assert len(answer["results"][0]["predictions"]) == 3
+
+    # Into a reader that has left (`| head -1` at its end): one exit status, no traceback.
+    piped = subprocess.Popen([*CLI, "--json", "predict", "--job", trained["id"], "examples/pattern_3.png"], cwd=REPO,
+                             env=_env(stack), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    piped.stdout.close()  # type: ignore[union-attr]
+    said = piped.stderr.read()  # type: ignore[union-attr]
+    assert piped.wait(240) == 1 and "Traceback" not in said and "BrokenPipe" not in said, said
 
     text = cli(stack, "predict", "--job", trained["id"], str(REPO / "examples" / "pattern_3.png"))
     assert text.returncode == 0, text.stderr

@@ -1,22 +1,26 @@
 """The dashboard in a real browser: Debian's Chromium, headless, driven by Playwright.
 
 The browser is never downloaded by Playwright: `make setup` installs the `chromium` package with
-apt. Without /usr/bin/chromium (no apt on the machine) the browser test skips and says why.
+apt. Without /usr/bin/chromium (no apt on the machine) the browser tests skip and say why.
 The page is served by an API of its own that requires an API key, on the shared stack's Redis, so
 the stack's worker trains and predicts, and the key path (localStorage + bearer header on every
-data call, events over fetch streaming) is what is tested.
+data call, events over fetch streaming) is what is tested. That API is SIGKILLed and started
+again under a live view, which must wait for it and pick up where it left off.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
 import pytest
 
-from tests.support import REPO, Processes
+from tests.datagen import zip_of
+from tests.support import REPO, Processes, free_port, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -24,56 +28,101 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 API_KEY = "dashboard-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+STATIC = REPO / "app" / "static"
+needs_chromium = pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium: `make setup` installs it "
+                                                                   "with apt (apt-get install chromium), which this "
+                                                                   "machine lacks")
+
+
+class KeyedApi:
+    """A second API process with TORCHYARD_API_KEY set, on the stack's Redis and data dir, on a
+    port it keeps across restarts."""
+
+    def __init__(self, stack: dict) -> None:
+        self.procs = Processes(stack["redis_url"], stack["data_dir"], stack["data_dir"] / "logs-dashboard")
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.proc = self.procs.api(self.port, TORCHYARD_API_KEY=API_KEY)
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        wait_until(lambda: httpx.get(f"{self.base}/healthz").status_code == 200, timeout=60, what="the API")
+
+    def kill(self) -> None:
+        self.procs.stop(self.proc, signal.SIGKILL)
+
+    def start(self) -> None:
+        self.proc = self.procs.api(self.port, TORCHYARD_API_KEY=API_KEY)
+        self.wait_ready()
 
 
 @pytest.fixture(scope="module")
-def keyed_api(stack: dict) -> str:
-    """A second API process with TORCHYARD_API_KEY set, on the stack's Redis and data dir."""
-    procs = Processes(stack["redis_url"], stack["data_dir"], stack["data_dir"] / "logs-dashboard")
+def keyed_api(stack: dict) -> Iterator[KeyedApi]:
+    api = KeyedApi(stack)
     try:
-        yield procs.ready_api(TORCHYARD_API_KEY=API_KEY)
+        yield api
     finally:
-        procs.stop_all()
+        api.procs.stop_all()
 
 
-def test_page_and_static_files_need_no_key_but_data_does(keyed_api: str) -> None:
-    page = httpx.get(f"{keyed_api}/")
+def test_page_and_static_files_need_no_key_but_data_does(keyed_api: KeyedApi) -> None:
+    base = keyed_api.base
+    page = httpx.get(f"{base}/")
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
-    assert 'src="/static/app.js"' in page.text
-    for name, kind in (("app.js", "javascript"), ("style.css", "css")):
-        static = httpx.get(f"{keyed_api}/static/{name}")
-        assert static.status_code == 200 and kind in static.headers["content-type"]
-    # All local: no CDN or other host is referenced by the page or its script.
-    for text in (page.text, httpx.get(f"{keyed_api}/static/app.js").text):
-        assert "http://" not in text and "https://" not in text
-    assert httpx.get(f"{keyed_api}/jobs").status_code == 401
-    assert httpx.get(f"{keyed_api}/metrics").status_code == 401
-    auth = {"Authorization": f"Bearer {API_KEY}"}
-    assert httpx.get(f"{keyed_api}/metrics", headers=auth).status_code == 200
-    assert httpx.get(f"{keyed_api}/static/missing.js").status_code == 404
+    assert '<script type="module" src="/static/js/main.js">' in page.text
+    modules = sorted(p.name for p in (STATIC / "js").glob("*.js"))
+    assert "main.js" in modules and len(modules) >= 8
+    for name, kind in [*((f"js/{m}", "javascript") for m in modules), ("style.css", "css")]:
+        static = httpx.get(f"{base}/static/{name}")
+        assert static.status_code == 200 and kind in static.headers["content-type"], name
+        # All local: no CDN or other host is referenced by the page or its scripts.
+        assert "http://" not in static.text and "https://" not in static.text, name
+        assert static.text.count("\n") < 400, f"{name}: keep each module small"
+    assert "http://" not in page.text and "https://" not in page.text
+    assert httpx.get(f"{base}/jobs").status_code == 401
+    assert httpx.get(f"{base}/metrics").status_code == 401
+    assert httpx.get(f"{base}/metrics", headers=AUTH).status_code == 200
+    assert httpx.get(f"{base}/static/missing.js").status_code == 404
 
 
-@pytest.mark.skipif(not CHROMIUM.exists(), reason="no /usr/bin/chromium: `make setup` installs it with apt "
-                                                    "(apt-get install chromium), which this machine lacks")
-def test_dashboard_trains_streams_and_predicts(keyed_api: str, tmp_path: Path) -> None:
+def _browser(playwright):
+    return playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+
+
+def _visible(page, *selectors: str) -> list[str]:
+    return [s for s in selectors if page.is_visible(s)]
+
+
+TRAINED_ONLY = ("#download-ckpt", "#export-controls", "#promote-form")
+
+
+@needs_chromium
+def test_dashboard_views_of_every_job_kind(stack: dict, keyed_api: KeyedApi, tmp_path: Path) -> None:
+    """Train from the form, follow it live, evaluate, predict, promote, export, delete; each job
+    kind's view at its own URL with only the controls that fit it; the toolbar inside its card at
+    1400 px; the live view through an API restart."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra: `make setup`")
     screenshot = Path(os.environ.get("TORCHYARD_DASHBOARD_SCREENSHOT") or tmp_path / "dashboard.png")
-    origin = urlparse(keyed_api).netloc
+    base, origin = keyed_api.base, urlparse(keyed_api.base).netloc
     requests: list[tuple[str, str, str | None]] = []
     errors: list[str] = []
 
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        browser = _browser(playwright)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(30_000)
             page.on("request", lambda r: requests.append((r.url, r.method, r.headers.get("authorization"))))
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(f"{keyed_api}/")
+            page.goto(f"{base}/")
 
             # Without a key the page says what is missing; with it the data arrives.
             page.wait_for_selector("#banner:not([hidden])")
             assert "API key" in page.inner_text("#banner")
+            # No job in view: none of a job's controls shows (`hidden` beats the CSS's inline-flex).
+            assert _visible(page, "#cancel-job", "#delete-job", "#job-progress-box", "#train-view",
+                            *TRAINED_ONLY) == []
             page.fill("#api-key", API_KEY)
             page.click("#save-key")
             page.wait_for_selector("#model option[value=cifar_net]", state="attached")
@@ -85,16 +134,27 @@ def test_dashboard_trains_streams_and_predicts(keyed_api: str, tmp_path: Path) -
             page.fill("#epochs", "2")
             page.click("#start-job")
 
-            # The job view follows the event stream: the loss curve gets its points, then the job ends.
+            # The job view has the job's URL, and follows its event stream to the end.
+            page.wait_for_function("location.hash.startsWith('#/jobs/')")
+            job_id = page.evaluate("decodeURIComponent(location.hash.slice('#/jobs/'.length))")
+            assert page.inner_text("#job-title").strip() == job_id
+            page.wait_for_selector("#job-view[data-kind=train] #train-view:not([hidden])")
             page.wait_for_function("Number(document.querySelector('#loss-chart').dataset.points) > 0",
                                    timeout=180_000)
             page.wait_for_selector("#job-status[data-status=succeeded]", timeout=60_000)
-            job_id = page.inner_text("#job-title").strip()
             # two epochs, a train and a val point each, in both charts
             assert page.get_attribute("#loss-chart", "data-points") == "4"
             assert page.get_attribute("#acc-chart", "data-points") == "4"
             page.wait_for_selector(f"#jobs-table tr[data-id='{job_id}'][data-status=succeeded]")
             assert "pattern_3" in page.inner_text("#per-class")
+            page.wait_for_selector("#promote-form:not([hidden])")
+            assert _visible(page, "#cancel-job", "#download-results", "#download-export") == []
+            assert _visible(page, "#delete-job", *TRAINED_ONLY) == ["#delete-job", *TRAINED_ONLY]
+            # At 1400 px every action sits inside the job's card, none cut off.
+            card = page.locator("#job-view").bounding_box()
+            for control in ("#download-ckpt", "#export-job", "#promote-job", "#delete-job"):
+                box = page.locator(control).bounding_box()
+                assert box["x"] >= card["x"] and box["x"] + box["width"] <= card["x"] + card["width"], control
             # The kept weights' validation: per-class bars and the confusion matrix as a heat-map table.
             page.wait_for_selector("#evaluation-view:not([hidden]) #confusion td")
             assert len(page.query_selector_all("#confusion tbody tr")) == 10
@@ -121,6 +181,16 @@ def test_dashboard_trains_streams_and_predicts(keyed_api: str, tmp_path: Path) -
             screenshot.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(screenshot), full_page=True)
 
+            # The evaluation's own view, from its link: its result, no curves, no model actions.
+            page.click("#evaluations tr[data-status=succeeded] a")
+            page.wait_for_selector("#job-view[data-kind=evaluate] #job-status[data-status=succeeded]")
+            page.wait_for_selector("#evaluation-view:not([hidden]) #confusion td")
+            assert "evaluates the checkpoint of job" in page.inner_text("#job-meta")
+            assert _visible(page, "#train-view", "#cancel-job", *TRAINED_ONLY) == []
+            assert "0/0" not in page.inner_text("#job-progress-text")
+            page.go_back()  # the URL history: back to the training job
+            page.wait_for_selector("#job-view[data-kind=train] #job-status[data-status=succeeded]")
+
             # Export: the button waits out the export job's 202s, then the file downloads.
             page.select_option("#export-format", "torchscript")
             with page.expect_download(timeout=120_000) as download:
@@ -128,21 +198,63 @@ def test_dashboard_trains_streams_and_predicts(keyed_api: str, tmp_path: Path) -
             exported = tmp_path / download.value.suggested_filename
             download.value.save_as(exported)
             assert exported.name.endswith(".torchscript.pt") and exported.stat().st_size > 10_000
-            export_job = httpx.get(f"{keyed_api}/jobs/{job_id}/export", params={"format": "torchscript"},
-                                   headers={"Authorization": f"Bearer {API_KEY}"}).headers["X-Export-Job"]
+            export_job = httpx.get(f"{base}/jobs/{job_id}/export", params={"format": "torchscript"},
+                                   headers=AUTH).headers["X-Export-Job"]
+            # The export job's view (by URL): its format and source, its file; no "0/0", no curves.
+            page.goto(f"{base}/#/jobs/{export_job}")
+            page.wait_for_selector("#job-view[data-kind=export] #job-status[data-status=succeeded]")
+            assert "TORCHSCRIPT file of job" in page.inner_text("#export-summary")
+            assert "0/0" not in page.inner_text("#job-progress-text")
+            assert _visible(page, "#download-export", "#train-view", "#evaluation-view", *TRAINED_ONLY) == \
+                ["#download-export"]
+
+            # A predict job over an upload: its images and its results file.
+            labelled = {f"c{k}/{n}.png": (REPO / "examples" / f"pattern_{k}.png").read_bytes()
+                        for k in (3, 7) for n in range(3)}
+            uploaded = httpx.post(f"{base}/datasets", headers=AUTH, data={"name": "dash-folder"},
+                                  files={"file": ("d.zip", zip_of(labelled), "application/zip")})
+            assert uploaded.status_code == 201, uploaded.text
+            predict_job = httpx.post(f"{base}/jobs", headers=AUTH, json={
+                "kind": "predict", "job_id": job_id, "dataset": uploaded.json()["id"]}).json()["id"]
+            page.goto(f"{base}/#/jobs/{predict_job}")
+            page.wait_for_selector("#job-view[data-kind=predict] #job-status[data-status=succeeded]", timeout=60_000)
+            page.wait_for_function("document.querySelector('#predict-summary').textContent.includes('6 images')")
+            assert "6 of 6 images" in page.inner_text("#job-progress-text")
+            assert _visible(page, "#download-results", "#train-view", *TRAINED_ONLY) == ["#download-results"]
+            page.reload()  # a bookmark: the same view again
+            page.wait_for_selector("#job-view[data-kind=predict] #job-status[data-status=succeeded]")
+            assert page.inner_text("#job-title").strip() == predict_job
+
+            # The live view through an API restart: a longer job, opened by its URL; the API is
+            # SIGKILLed once it trains and started again; the view waits and draws every epoch.
+            long_job = httpx.post(f"{base}/jobs", headers=AUTH, json={
+                "model": "cifar_net", "dataset": "fake", "epochs": 2, "batch_size": 8, "patience": 0}).json()["id"]
+            page.goto(f"{base}/#/jobs/{long_job}")
+            page.wait_for_function("document.querySelector('#job-progress-text').textContent.includes('step')",
+                                   timeout=120_000)
+            assert page.is_visible("#cancel-job") and _visible(page, "#delete-job", *TRAINED_ONLY) == []
+            keyed_api.kill()
+            page.wait_for_selector("#stream-note:not([hidden])", timeout=30_000)
+            assert "waiting for the server" in page.inner_text("#stream-note")
+            keyed_api.start()
+            page.wait_for_selector("#job-status[data-status=succeeded]", timeout=240_000)
+            page.wait_for_selector("#stream-note", state="hidden")
+            assert page.get_attribute("#loss-chart", "data-points") == "4"
 
             # Delete: refused while the alias points at the job (the API's reason is shown), done once
             # it is gone; the job leaves the list and takes its export with it.
+            page.goto(f"{base}/#/jobs/{job_id}")
+            page.wait_for_selector("#job-view[data-kind=train] #delete-job:not([hidden])")
             page.on("dialog", lambda dialog: dialog.accept())
             page.click("#delete-job")
-            page.wait_for_function("document.querySelector('#job-meta').textContent.includes('alias')")
-            auth = {"Authorization": f"Bearer {API_KEY}"}
-            assert httpx.delete(f"{keyed_api}/aliases/dash-pets", headers=auth).status_code == 204
+            page.wait_for_function("document.querySelector('#job-note').textContent.includes('alias')")
+            assert httpx.delete(f"{base}/aliases/dash-pets", headers=AUTH).status_code == 204
             page.click("#delete-job")
             page.wait_for_function("document.querySelector('#job-meta').textContent.includes('deleted')")
             page.wait_for_selector(f"#jobs-table tr[data-id='{job_id}']", state="detached")
-            assert httpx.get(f"{keyed_api}/jobs/{job_id}", headers=auth).status_code == 404
-            assert httpx.get(f"{keyed_api}/jobs/{export_job}", headers=auth).status_code == 404
+            assert page.evaluate("location.hash") == "#/"
+            assert httpx.get(f"{base}/jobs/{job_id}", headers=AUTH).status_code == 404
+            assert httpx.get(f"{base}/jobs/{export_job}", headers=AUTH).status_code == 404
 
             # The key survives a reload (localStorage).
             page.reload()
@@ -158,3 +270,37 @@ def test_dashboard_trains_streams_and_predicts(keyed_api: str, tmp_path: Path) -
     assert any(f"/jobs/{job_id}/events" in url for url, _ in data_calls)
     assert all(auth == f"Bearer {API_KEY}" for _, auth in data_calls), data_calls
     assert screenshot.stat().st_size > 10_000
+
+
+@needs_chromium
+def test_docs_render_offline_behind_the_key(keyed_api: KeyedApi) -> None:
+    """/docs is Swagger UI from files the API serves itself: it renders with every request to
+    another host refused. The page and the OpenAPI document need the key; Swagger's files do not."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra: `make setup`")
+    base = keyed_api.base
+    assert httpx.get(f"{base}/docs").status_code == 401
+    assert httpx.get(f"{base}/openapi.json").status_code == 401
+    assert httpx.get(f"{base}/docs/assets/swagger-ui-bundle.js").status_code == 200
+    elsewhere: list[str] = []
+
+    def offline(route) -> None:
+        if urlparse(route.request.url).hostname in ("127.0.0.1", "localhost"):
+            route.continue_()
+        else:
+            elsewhere.append(route.request.url)
+            route.abort("internetdisconnected")
+
+    with sync_api.sync_playwright() as playwright:
+        browser = _browser(playwright)
+        try:
+            context = browser.new_context(extra_http_headers=AUTH)
+            context.route("**/*", offline)
+            page = context.new_page()
+            page.goto(f"{base}/docs")
+            page.wait_for_selector(".swagger-ui .info .title", timeout=30_000)
+            assert "torchyard" in page.inner_text(".swagger-ui .info .title")
+            page.wait_for_selector(".opblock-summary-path[data-path='/jobs']")
+            assert len(page.query_selector_all(".opblock")) >= 20
+        finally:
+            browser.close()
+    assert elsewhere == [], elsewhere

@@ -253,3 +253,21 @@ def test_workers_are_the_oom_killers_first_choice(stack: dict) -> None:
                   and p.ppid() == psutil.Process().pid]
     for pid in redis_pids:  # the embedded Redis this test session started
         assert Path(f"/proc/{pid}/oom_score_adj").read_text().strip() == "0"
+
+
+def test_an_unfinished_chunked_body_gets_one_408_with_one_connection_header(guarded_api: dict) -> None:
+    """The body guard's 408 says `connection: close` itself; the gate must not add a second one."""
+    sock = socket.create_connection(("127.0.0.1", guarded_api["port"]))
+    sock.sendall(b"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
+                 b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
+    sock.settimeout(20)
+    raw = b""
+    try:
+        while chunk := sock.recv(65536):
+            raw += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    sock.close()
+    head = raw.partition(b"\r\n\r\n")[0].decode("latin-1").lower().split("\r\n")
+    assert head[0].split(" ")[1] == "408", raw
+    assert [line for line in head[1:] if line.startswith("connection:")] == ["connection: close"], head

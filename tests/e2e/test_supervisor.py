@@ -58,7 +58,12 @@ def test_up_starts_stack_and_stops_everything(tmp_path, sig) -> None:
         time.sleep(0.5)
         alive = [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
         assert alive == [], f"left running: {[p.cmdline() for p in alive]}"
-        assert "restarting worker-cpu" in (tmp_path / "up.log").read_text()
+        text = (tmp_path / "up.log").read_text()
+        assert "restarting worker-cpu" in text
+        # The banner only once the API serves, with where the CLI is.
+        assert text.count("torchyard is up") == 1
+        assert text.index("Application startup complete") < text.index("torchyard is up")
+        assert f"--url http://127.0.0.1:{port} devices" in text
     finally:
         client.close()
         if up.poll() is None:
@@ -91,6 +96,17 @@ def test_up_guards_its_data_dir_restarts_redis_and_a_broken_worker(tmp_path) -> 
         assert second.returncode == 2, second.stdout + second.stderr
         assert f"in use by another `torchyard up` (pid {up.pid})" in second.stdout + second.stderr
         assert client.get("/readyz").status_code == 200 and client.get("/jobs").status_code == 200
+        # A second `up` with its own data dir on the port in use: it names the API process holding
+        # the port and exits 2 before starting anything (no Redis, no worker, no API).
+        api_pid = next(p.pid for p in _descendants(up.pid) if p.cmdline()[-1:] == ["api"])
+        elsewhere = tmp_path / "elsewhere"
+        third = subprocess.run([sys.executable, "-m", "app.cli", "up"], cwd=REPO, capture_output=True, text=True,
+                               env={**env, "TORCHYARD_DATA_DIR": str(elsewhere)}, timeout=120)
+        said = third.stdout + third.stderr
+        assert third.returncode == 2, said
+        assert f"port {port} on 127.0.0.1 is already in use by pid {api_pid} (" in said and "app.cli api" in said
+        assert "started" not in said and "torchyard is up" not in said
+        assert not (elsewhere / "redis").exists()
 
         uploaded = client.post("/datasets", data={"name": "shapes"},
                                files={"file": ("s.zip", shapes_zip(per_class=24, corrupt=None), "application/zip")})
@@ -123,7 +139,7 @@ def test_up_guards_its_data_dir_restarts_redis_and_a_broken_worker(tmp_path) -> 
         assert time.monotonic() - killed < 60
 
         done = wait_until(lambda: (j := client.get(f"/jobs/{job_id}").json())["status"] in ("succeeded", "failed")
-                          and j, timeout=180, what="the job to end")
+                          and j, timeout=420, what="the job to end")
         assert done["status"] == "succeeded" and done["attempts"] == 2, done
         assert [m["epoch"] for m in done["metrics"]] == list(range(1, epochs + 1))
         with client.stream("GET", f"/jobs/{job_id}/events") as response:
@@ -139,3 +155,18 @@ def test_up_guards_its_data_dir_restarts_redis_and_a_broken_worker(tmp_path) -> 
         client.close()
         if up.poll() is None:
             os.killpg(up.pid, signal.SIGKILL)
+
+
+def test_a_child_with_a_configuration_error_stops_up_instead_of_restarting(tmp_path) -> None:
+    """A GPU asked for that this host does not have (97, hidden on any host): its worker exits 2 with why, once; `up` is not
+    restarting it in a loop but stops everything and exits 2."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
+    env.update(TORCHYARD_DATA_DIR=str(tmp_path / "var"), TORCHYARD_PORT=str(free_port()), TORCHYARD_DEVICES="97",
+               CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+    up = subprocess.run([sys.executable, "-m", "app.cli", "up"], cwd=REPO, env=env, capture_output=True, text=True,
+                        timeout=180)
+    said = up.stdout + up.stderr
+    assert up.returncode == 2, said
+    assert "no CUDA device is visible" in said
+    assert "worker-gpu97 exited with code 2: it cannot run as configured" in said
+    assert said.count("started worker-gpu97") == 1 and "restarting" not in said

@@ -1,0 +1,94 @@
+"""What a server has: devices, models, datasets (list and upload)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING
+
+from client.commands.base import EXIT_OK
+
+if TYPE_CHECKING:
+    from client.commands import Command, Group
+    from client.sdk import TorchyardClient
+
+
+def _devices(client: TorchyardClient, args: argparse.Namespace) -> int:
+    from client import output
+
+    devices = client.devices()
+    if args.json:
+        output.emit_json(devices)
+        return EXIT_OK
+    out = output.console()
+    if not devices:
+        out.print("no devices: start a worker (`torchyard worker --device 0|cpu`) or `torchyard up`")
+        return EXIT_OK
+    output.table(out, ["device", "type", "name", "status", "memory", "util", "job", "models"],
+                 [[d.id, d.type, d.name, d.status, f"{output.size(d.memory_used_bytes)} / "
+                   f"{output.size(d.memory_total_bytes)}",
+                   "-" if d.utilization_percent is None else f"{d.utilization_percent:.0f} %", d.current_job or "-",
+                   str(len(d.loaded_models))] for d in devices])
+    return EXIT_OK
+
+
+def _models(client: TorchyardClient, args: argparse.Namespace) -> int:
+    from client import output
+
+    models = client.models()
+    if args.json:
+        output.emit_json(models)
+        return EXIT_OK
+    output.table(output.console(), ["model", "input", "parameters", "description"],
+                 [[m.name, f"{m.input.channels}×{m.input.height}×{m.input.width}", f"{m.parameters:,}",
+                   m.description] for m in models])
+    return EXIT_OK
+
+
+def _datasets_list(client: TorchyardClient, args: argparse.Namespace) -> int:
+    from client import output
+
+    datasets = client.datasets()
+    if args.json:
+        output.emit_json(datasets)
+        return EXIT_OK
+    output.table(output.console(), ["dataset", "name", "kind", "classes", "images", "available"],
+                 [[d["id"], d.get("name", ""), d.get("kind", ""),
+                   str(len(d["classes"])) if d.get("classes") else "-", str(d.get("num_images") or "-"),
+                   "yes" if d.get("available", True) else "no"] for d in datasets])
+    return EXIT_OK
+
+
+def _datasets_upload(client: TorchyardClient, args: argparse.Namespace) -> int:
+    from client import output
+
+    err = output.console(sys.stderr)
+    if not args.json:
+        err.print(f"uploading {args.path} …")
+    record = client.upload_dataset(args.path, args.name, labeled=not args.unlabeled)
+    if args.json:
+        output.emit_json(record)
+        return EXIT_OK
+    out = output.console()
+    out.print(f"dataset {record['id']} ({record.get('name')}): {record.get('num_images')} images, "
+              f"{len(record.get('classes') or [])} classes")
+    for name, count in (record.get("class_counts") or {}).items():
+        out.print(f"  {name}: {count}")
+    for skipped in record.get("skipped") or []:
+        err.print(f"  skipped {skipped.get('path')}: {skipped.get('reason')}")
+    return EXIT_OK
+
+
+def register(command: Command, group: Group) -> None:
+    command("devices", _devices, "the devices the workers hold: memory, utilisation, current job")
+    command("models", _models, "the model architectures the server can train")
+
+    datasets = group("datasets", _datasets_list, "list or upload datasets",
+                     "List datasets, or upload an ImageFolder directory or zip.")
+    command("list", _datasets_list, "list the datasets (built-in and uploaded)", datasets)
+    upload = command("upload", _datasets_upload, "upload DIR (zipped here) or ZIP in ImageFolder layout "
+                                                 "(<class>/<image>)", datasets)
+    upload.add_argument("path", help="a directory of <class>/<image> folders, or a .zip of them")
+    upload.add_argument("--name", help="a label for the dataset")
+    upload.add_argument("--unlabeled", action="store_true", help="images at any depth, no class folders "
+                                                                 "(for predict-folder only)")
