@@ -33,6 +33,7 @@ import numpy as np
 import redis
 import torch
 
+from core.logs import RedisOutageLog
 from core.wire import PredictReply, PredictRequest, WarmedModel, WarmRequest
 from worker.checkpoint import CheckpointError
 from worker.cpu_threads import ForwardThreads, pin_to_one_thread, usable_cores
@@ -81,6 +82,7 @@ class InferenceServer:
             refuse=lambda group, status, detail: self.transport.send_errors([r for r, _ in group.owners], status, detail),
             health=health, on_broken=on_broken)
         self._intake_thread = threading.Thread(target=self._intake_loop, name="torchyard-intake", daemon=True)
+        self._outage = RedisOutageLog(log, f"/predict intake of {device.id}")
 
     def start(self) -> None:
         if self.device.kind == "cuda":
@@ -113,14 +115,15 @@ class InferenceServer:
         while not self._halt.is_set():
             try:
                 requests = self._collect()
+                self._outage.answered()
                 if requests:
                     groups = self._prepare(requests)
                     if groups:
                         self.device_loop.hand_over(groups)
                 if self._warms:
                     self._serve_warms()
-            except redis.RedisError as exc:
-                log.warning("inference: Redis unavailable (%s); retrying", exc)
+            except redis.RedisError as exc:  # one line when an outage starts, one when it ends
+                self._outage.unavailable(exc)
                 self._halt.wait(0.5)
             except Exception:
                 log.exception("inference intake error")
