@@ -33,8 +33,14 @@ def _parallel_work() -> None:
         x.mul_(1.0000001)
 
 
-def _os_threads() -> int:
-    return psutil.Process().num_threads()
+def _os_threads() -> set[int]:
+    """The OS threads of this process, by id."""
+    return {thread.id for thread in psutil.Process().threads()}
+
+
+def _new_threads(before: set[int]) -> int:
+    """Threads started since `before` was taken (threads of earlier tests ending meanwhile don't count)."""
+    return len(_os_threads() - before)
 
 
 def test_the_policy_gives_the_cores_to_a_job_and_hands_over_a_thread_that_holds_a_team() -> None:
@@ -61,14 +67,14 @@ def test_a_job_thread_runs_on_its_threads_and_its_team_ends_with_it() -> None:
 
     def job() -> int:
         _parallel_work()
-        assert _os_threads() > before  # the team (and this thread) exist while the job runs
+        assert _new_threads(before) > 0  # the team (and this thread) exist while the job runs
         return torch.get_num_threads()
 
     assert run_in_own_thread(job, 2, "test-job") == 2
     deadline = time.monotonic() + 5
-    while _os_threads() > before and time.monotonic() < deadline:
+    while _new_threads(before) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _os_threads() == before
+    assert _new_threads(before) == 0
 
 
 def test_a_job_threads_failure_is_raised_in_the_caller() -> None:
@@ -92,7 +98,7 @@ def test_a_pinned_thread_makes_no_team_even_after_another_thread_asked_for_more(
         other.join()
         before = _os_threads()
         _parallel_work()
-        seen["threads"], seen["created"] = torch.get_num_threads(), _os_threads() - before
+        seen["threads"], seen["created"] = torch.get_num_threads(), _new_threads(before)
 
     thread = threading.Thread(target=helper)
     thread.start()
@@ -174,7 +180,7 @@ def test_a_light_models_forward_makes_no_team_and_a_heavy_ones_does(clean_redis_
                 client.rpush(keys.predict_queue(device.id), _request(job_id, [png], f"reply:{label}:{i}"))
                 reply = client.blpop([f"reply:{label}:{i}"], timeout=30)
                 assert reply is not None and PredictReply.decode_addressed(reply[1].decode())[1].status == 200
-            created[label] = _os_threads() - before
+            created[label] = _new_threads(before)
             one_image_s = cache.get(job_id).one_image_s
             assert one_image_s is not None and (one_image_s >= HEAVY_FORWARD_S) == (label == "heavy")
         finally:
