@@ -98,13 +98,18 @@ class Rank:
     def world_size(self) -> int:
         return len(self.members)
 
+    def read(self) -> GangState | None:
+        """The gang record, through a Redis outage (the collectives' timeout may end the attempt meanwhile)."""
+        halted = self.runner.state.shutdown.is_set
+        return ride_out_outage(lambda: self.records.read(self.job_id), halted=halted, what=f"job {self.job_id}")
+
     def wait_ready(self, ranks: set[int]) -> GangState:
         """Until `ranks` are ready. Ends the attempt (GangBroken, StopJob) when it vanished, a rank
-        reported a failure, a rank's worker stopped beating, or this rank must stop."""
+        reported a failure, a rank's worker stopped beating or freed its device, or this rank must stop."""
         started = time.monotonic()
         devices = [m.device for m in self.members]
         while True:
-            gang = self.records.read(self.job_id)
+            gang = self.read()
             if gang is None or gang.attempt != self.seat.attempt:
                 raise GangBroken("the gang's attempt ended before training started")
             if gang.failure:
@@ -114,8 +119,10 @@ class Rank:
             if ranks <= gang.ready:
                 return gang
             dead = [device for device, alive in zip(devices, self.records.alive(devices), strict=True) if not alive]
-            if dead:
-                raise GangBroken(f"the worker of {', '.join(dead)} stopped before training started")
+            slots = self.records.slot_states(devices)
+            left = [device for device in devices if slots.get(device, ("", ""))[1] != self.job_id]
+            if dead or left:
+                raise GangBroken(f"the worker of {', '.join(dead or left)} left before training started")
             if time.monotonic() - started > READY_TIMEOUT_S:
                 raise GangBroken(f"ranks {sorted(ranks - gang.ready)} were not ready after {READY_TIMEOUT_S:.0f} s")
             time.sleep(POLL_S)
@@ -123,15 +130,14 @@ class Rank:
     def fault(self, exc: BaseException) -> BaseException:
         """What rank 0 raises once the attempt broke: the stop it must obey (cancelled, lost lease),
         a job failure a rank reported, or a requeue naming the reason."""
-        assert self.ctx is not None
-        reason = self.ctx.delivery.stop_reason()
+        reason = self.should_stop()  # this worker's own flags, the job's status, token and cancel flag
         if reason is not None:
             return StopJob(reason)
         if isinstance(exc, GangBroken):
             return JobFailed(str(exc)) if exc.fatal else StopJob(f"{GANG_FAULT}: {exc}")
         deadline = time.monotonic() + REASON_GRACE_S
         while True:  # the peer that left may record why a moment after its sockets closed
-            gang = self.records.read(self.job_id)
+            gang = self.read()
             if gang is not None and gang.failure:
                 return JobFailed(gang.failure) if gang.fatal else StopJob(f"{GANG_FAULT}: {gang.failure}")
             if time.monotonic() > deadline:
@@ -156,7 +162,9 @@ class LeaderReporter:
 
     def epoch(self, metrics: EpochMetrics, resume: Path | None = None) -> None:
         self.inner.epoch(metrics, resume)
-        self.rank.records.record_epoch(self.rank.job_id, self.rank.seat.attempt, metrics.epoch)
+        rank = self.rank
+        assert rank.ctx is not None
+        rank.ctx.delivery.call(rank.records.record_epoch, rank.job_id, rank.seat.attempt, metrics.epoch)
 
 
 class FollowerReporter:
@@ -178,7 +186,7 @@ class FollowerReporter:
     def epoch(self, metrics: EpochMetrics, resume: Path | None = None) -> None:
         rank = self.rank
         while True:
-            gang = rank.records.read(rank.job_id)
+            gang = rank.read()
             if gang is not None and gang.attempt == rank.seat.attempt:
                 if gang.failure:
                     raise GangBroken(gang.failure, gang.fatal)
@@ -316,4 +324,5 @@ class GangMember:
         if state.shutdown.is_set():
             return "shutdown"
         self.runner.health.inject_fault()
-        return self.runner.store.stop_reason(job_id, token)
+        return ride_out_outage(lambda: self.runner.store.stop_reason(job_id, token), halted=state.shutdown.is_set,
+                               what=f"job {job_id}")

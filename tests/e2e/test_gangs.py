@@ -169,6 +169,14 @@ def test_a_two_rank_job_trains_like_one_device(gangs: dict, reference: dict) -> 
     assert wait_for_job(client, cancelled, TERMINAL, timeout=120)["status"] == "cancelled"
     _wait_idle(gangs, timeout=60)
 
+    # A failure that would recur on any devices fails the job once, with its reason (every rank's
+    # loss is the global one, so every rank sees it diverge in the same epoch).
+    diverged = wait_for_job(client, _submit(client, world_size=2, optimizer="sgd", learning_rate=10.0), TERMINAL,
+                            timeout=240)
+    assert diverged["status"] == "failed" and diverged["attempts"] == 1, diverged
+    assert "loss" in diverged["error"] and any(w in diverged["error"] for w in ("nan", "inf")), diverged["error"]
+    _wait_idle(gangs, timeout=60)
+
 
 def test_sigkill_of_a_rank_mid_epoch_resumes_after_the_last_recorded_epoch(gangs: dict) -> None:
     client, procs, workers = gangs["client"], gangs["procs"], gangs["workers"]
