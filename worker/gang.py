@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
+# After giving a single-device job back (the device is reserved or held for a gang), before taking
+# the next message.
+REFUSED_PAUSE_S = 1.0
 # A rank still loading its data after this long ends the attempt (the ranks' liveness is watched meanwhile).
 READY_TIMEOUT_S = 600.0
 # After a collective failed, how long rank 0 looks for the reason a peer recorded.
@@ -208,6 +211,7 @@ class GangMember:
     def __init__(self, runner: JobRunner, slots: DeviceSlots, records: GangRecords,
                  resend: Callable[[str, str], None]) -> None:
         self.runner, self.slots, self.records, self.resend = runner, slots, records, resend
+        self._refused = ""  # the last single-device job given back (logged once, not at every turn)
 
     def take_device(self, job_id: str, token: str) -> bool:
         """Before a single-device job: False when the slot is reserved for a gang's rank (the delivery
@@ -215,9 +219,14 @@ class GangMember:
         halted = self.runner.state.shutdown.is_set
         if ride_out_outage(lambda: self.slots.take_for_job(job_id, token), halted=halted, what=f"job {job_id}"):
             return True
-        log.info("job %s not started: %s is reserved for a gang; its delivery goes back to its queue", job_id,
-                 self.runner.device.id)
+        (log.info if job_id != self._refused else log.debug)(
+            "job %s not started: %s is reserved or held for a gang; its delivery goes back to its queue", job_id,
+            self.runner.device.id)
+        self._refused = job_id
         ride_out_outage(lambda: self.resend(job_id, token), halted=halted, what=f"job {job_id}")
+        # Not straight back to the consumer: it would take the same message again at once (until the
+        # gang starts); meanwhile another worker may take it, and this one its rank's message next.
+        time.sleep(REFUSED_PAUSE_S)
         return False
 
     def release_device(self, job_id: str, token: str, attempt: str = "") -> None:
