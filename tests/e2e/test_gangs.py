@@ -26,9 +26,8 @@ import httpx
 import pytest
 import torch
 
-from app.embedded_redis import EmbeddedRedis
 from tests.e2e.test_faults import _events, _pattern_png, _ran_once
-from tests.support import Processes, free_port, wait_for_job, wait_until
+from tests.support import two_hosts, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -43,27 +42,10 @@ WEIGHT_TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def gangs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    root = tmp_path_factory.mktemp("gangs")
-    server = EmbeddedRedis(root / "redis")
-    url = server.start()
     # One OpenMP thread per worker: two ranks share this host's cores.
-    procs = Processes(url, root / "data", root / "logs", TORCHYARD_LEASE_TTL_S=str(LEASE_TTL_S),
-                      TORCHYARD_MAX_ATTEMPTS="4", TORCHYARD_ADVERTISE_ADDRESS="127.0.0.1", OMP_NUM_THREADS="1")
-    workers = {node: procs.worker("cpu", name=node, TORCHYARD_NODE_NAME=node) for node in ("h1", "h2")}
-    port = free_port()
-    procs.api(port)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-    cluster = {"client": client, "procs": procs, "workers": workers, "data_dir": root / "data"}
-    try:
-        _wait_idle(cluster, timeout=240)
-        yield cluster
-    finally:
-        for proc in workers.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-        client.close()
-        procs.stop_all()
-        server.stop()
+    with two_hosts(tmp_path_factory.mktemp("gangs"), timeout=240, TORCHYARD_LEASE_TTL_S=str(LEASE_TTL_S),
+                   TORCHYARD_MAX_ATTEMPTS="4", TORCHYARD_ADVERTISE_ADDRESS="127.0.0.1", OMP_NUM_THREADS="1") as hosts:
+        yield hosts
 
 
 def _wait_idle(cluster: dict, timeout: float = 120) -> None:
