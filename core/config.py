@@ -147,6 +147,22 @@ class Settings(BaseSettings):
                     "sticky CUDA error).",
     )
 
+    # --- data-parallel jobs (#27): docs/training.md, docs/deployment.md "Ports" ----------------
+    advertise_address: str | None = Field(
+        default=None,
+        description="The address the other ranks of a gang reach this worker at: its rendezvous store when it "
+                    "runs rank 0, and the interface gloo and NCCL use. Unset: what this host's name resolves to.",
+    )
+    rendezvous_port: int = Field(
+        default=29500, ge=1, le=65535,
+        description="Rank 0's rendezvous store listens on the first free port from here (up to 64 ports up).",
+    )
+    gang_timeout_s: float | None = Field(
+        default=None, gt=0,
+        description="A rank waits this long for the others in a collective before the gang's attempt ends "
+                    "(torch.distributed's process-group timeout). Unset: lease_ttl_s.",
+    )
+
     # --- hostile clients and resource exhaustion (#13; docs/security.md) -----------------------
     allow_unauthenticated: bool = Field(
         default=False,
@@ -250,6 +266,19 @@ class Settings(BaseSettings):
     @property
     def embedded_redis_socket(self) -> Path:
         return self.embedded_redis_dir / "redis.sock"
+
+    def resolved_advertise_address(self) -> str:
+        """Where other hosts reach this worker (TORCHYARD_ADVERTISE_ADDRESS, else the host name's address)."""
+        if self.advertise_address:
+            return self.advertise_address
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+
+    @property
+    def resolved_gang_timeout_s(self) -> float:
+        return self.gang_timeout_s or self.lease_ttl_s
 
     def resolved_redis_url(self) -> str:
         """The configured Redis, or the embedded one that `torchyard up` runs under data_dir."""

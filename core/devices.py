@@ -16,6 +16,7 @@ import redis
 
 from core import keys
 from core.errors import DeviceInUse, InvalidInput
+from core.gangs import GangRecords, waiting_note
 from core.schemas import Device, Job, JobStatus
 
 OFFLINE_FORGET_S = 7 * 24 * 3600
@@ -159,12 +160,18 @@ class DeviceRegistry:
                 f"when its worker is back")
 
     def annotate(self, jobs: list[Job]) -> list[Job]:
-        """Queued jobs say so when their device has no live worker: read live, never stale."""
+        """Queued jobs say so when their device has no live worker, a data-parallel one what it waits
+        for (core/gangs.waiting_note): read live, never stale."""
         queued = [job for job in jobs if job.status is JobStatus.queued]
         if not queued:
             return jobs
         live = self.live()
+        gangs = GangRecords(self.redis)
+        slots = gangs.slot_states([d.id for d in live]) if any(job.world_size > 1 for job in queued) else {}
         for job in queued:
+            if job.world_size > 1:
+                job.message = waiting_note(job, gangs.read(job.id), live, slots)
+                continue
             note = self.waiting_note(job.requested_device, live)
             if note:
                 job.message = f"{note} ({job.message})" if job.message else note

@@ -105,7 +105,7 @@ class Settlement:
     promote: list[str]
 
 
-_JSON_FIELDS = ("params", "progress", "metrics", "checkpoint", "classes", "evaluation", "results", "resume_at")
+_JSON_FIELDS = ("params", "progress", "metrics", "checkpoint", "classes", "evaluation", "results", "resume_at", "ranks")
 
 # Apply field writes and an event only while `ARGV[1]` is the job's delivery token and the job
 # runs. KEYS: job hash, events stream. ARGV: token, events maxlen, event kind ('' for none),
@@ -223,7 +223,7 @@ class JobStore:
             raise InvalidInput(f"Idempotency-Key is longer than {MAX_IDEMPOTENCY_KEY} characters")
         idem_key = keys.idempotency(idempotency_key) if idempotency_key else None
         fingerprint = request_fingerprint(kind, model, dataset, params, requested_device)
-        queue = queue_for_device(requested_device)
+        queue = queue_for_device(requested_device, int(params.get("world_size") or 1))  # gangs: core/gangs.py
         job_id, token = new_job_id(), new_token()
         record = {
             "id": job_id, "kind": kind.value, "status": JobStatus.queued.value, "model": model, "dataset": dataset,

@@ -34,6 +34,14 @@ Layout::
     ty:job:<id>:evaluations          zset   evaluation job ids of a trained job (score: submit time)
     ty:job:<id>:dependents           set    jobs that read this job's checkpoint when they run
                                             (init_from children, evaluations): core/lineage.py
+    ty:gangs:waiting                 zset   data-parallel deliveries waiting for free devices, as the
+                                            task id <job>.<token> (score 0: lexicographic = oldest job first)
+    ty:gangs:reserved                zset   job id -> when (Redis time) its unstarted reservation lapses
+    ty:gangs:lock                    string which worker runs the gang scheduler now (short TTL)
+    ty:gang:<job id>                 hash   the job's gang: attempt id, token, ranks, rendezvous address,
+                                            ready ranks, the epoch rank 0 recorded, a rank's failure
+    ty:device:<id>:slot              hash   what the device's worker is doing: reserved for a gang's rank,
+                                            or busy with a job (absent: free); core/gangs.py
 """
 
 from __future__ import annotations
@@ -127,3 +135,17 @@ def job_evaluations(job_id: str) -> str:
 
 def job_dependents(job_id: str) -> str:
     return f"{PREFIX}job:{job_id}:dependents"
+
+
+# --- data-parallel gangs (#27, core/gangs.py) ----------------------------------------------------
+GANGS_WAITING = f"{PREFIX}gangs:waiting"
+GANGS_RESERVED = f"{PREFIX}gangs:reserved"
+GANGS_LOCK = f"{PREFIX}gangs:lock"
+
+
+def gang(job_id: str) -> str:
+    return f"{PREFIX}gang:{job_id}"
+
+
+def device_slot(device_id: str) -> str:
+    return f"{PREFIX}device:{device_id}:slot"

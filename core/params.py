@@ -90,6 +90,9 @@ class TrainingParams(BaseModel):
     # Where the first weights come from (lineage; also in the checkpoint's metadata).
     init_from: str | None = None
     pretrained: bool = False
+    # Data-parallel training (worker/gang_training.py): ranks asked for; resume with fewer after a fault.
+    world_size: int = 1
+    elastic: bool = False
 
     @model_validator(mode="after")
     def _legacy_weight_decay(self) -> TrainingParams:
@@ -124,6 +127,7 @@ def resolve_params(spec: JobSpec, parent: Job | None = None) -> TrainingParams:
         model.pretrained.crop_size if spec.pretrained and model.pretrained else model.input.height)
     optimizer = spec.optimizer or RECIPE.optimizer
     schedule = spec.schedule or RECIPE.schedule
+    _check_global_batch(spec.batch_size, spec.world_size)
     return TrainingParams(
         epochs=spec.epochs, batch_size=spec.batch_size,
         learning_rate=spec.learning_rate or DEFAULT_LEARNING_RATE[optimizer], optimizer=optimizer,
@@ -135,8 +139,26 @@ def resolve_params(spec: JobSpec, parent: Job | None = None) -> TrainingParams:
         label_smoothing=_given(spec.label_smoothing, RECIPE.label_smoothing),
         patience=_given(spec.patience, RECIPE.patience),
         monitor=spec.monitor or RECIPE.monitor, keep=spec.keep or RECIPE.keep,
-        init_from=spec.init_from, pretrained=spec.pretrained,
+        init_from=spec.init_from, pretrained=spec.pretrained, world_size=spec.world_size, elastic=spec.elastic,
     )
+
+
+def _check_global_batch(batch_size: int | None, world_size: int) -> None:
+    """`batch_size` is the global batch: each of `world_size` ranks takes an equal share of it (the
+    last, shorter batch of an epoch is split as evenly as it goes). Left open, the worker's default
+    for its device must divide too."""
+    if world_size == 1:
+        return
+    if batch_size is None:
+        if any(size % world_size for size in DEFAULT_BATCH_SIZE.values()):
+            raise InvalidInput(f"world_size {world_size}: give batch_size (the global batch), divisible by "
+                               f"{world_size}; the defaults ({', '.join(map(str, DEFAULT_BATCH_SIZE.values()))}) "
+                               f"are not")
+        return
+    if batch_size % world_size:
+        raise InvalidInput(f"batch_size {batch_size} is the global batch and must divide by world_size "
+                           f"{world_size} (each rank takes batch_size / world_size images); try "
+                           f"{max(world_size, batch_size - batch_size % world_size)}")
 
 
 def schedule_for(params: TrainingParams, total_steps: int) -> Schedule:

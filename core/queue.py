@@ -4,6 +4,11 @@ A training job travels as one Celery message, `torchyard.train(job_id, delivery_
 (`TrainDelivery`), on a queue chosen by the job's `device` request (`queue_for_device`). Both
 sides build the Celery app here; no task code is imported, so the API sends tasks by name and
 never loads the worker's modules. Predictions do not use Celery (see core/wire.py).
+
+A data-parallel job (`world_size` > 1) has a `gang…` queue instead, which no worker consumes:
+"sending" its delivery puts it in `ty:gangs:waiting`, where the gang scheduler (core/gangs.py)
+reserves free devices for all its ranks at once and then sends one message per rank,
+`torchyard.train(job_id, token, seat)`, to each reserved device's own queue.
 """
 
 from __future__ import annotations
@@ -21,17 +26,31 @@ from core.redis import celery_broker_url
 
 TRAIN_TASK = "torchyard.train"
 TRAIN_QUEUE = "train"
+# The queues of data-parallel jobs: never consumed, see the module docstring.
+GANG_QUEUE = "gang"
 # The queues every deployment has; per-device ones (train.dev.<id>) come and go with devices.
 SHARED_TRAIN_QUEUES = (TRAIN_QUEUE, f"{TRAIN_QUEUE}.cpu", f"{TRAIN_QUEUE}.cuda")
 
 
-def queue_for_device(requested: str) -> str:
-    """Celery queue for a `device` request: shared (auto), per type (cuda, cpu), or one device's own."""
+def queue_for_device(requested: str, world_size: int = 1) -> str:
+    """Celery queue for a `device` request: shared (auto), per type (cuda, cpu), or one device's own.
+    A data-parallel job's is the gang queue of the same request (rank 0's device, for an id)."""
+    base = GANG_QUEUE if world_size > 1 else TRAIN_QUEUE
     if requested == "auto":
-        return TRAIN_QUEUE
+        return base
     if requested in ("cuda", "cpu"):
-        return f"{TRAIN_QUEUE}.{requested}"
-    return f"{TRAIN_QUEUE}.dev.{requested}"
+        return f"{base}.{requested}"
+    return f"{base}.dev.{requested}"
+
+
+def is_gang_queue(queue: str) -> bool:
+    return queue == GANG_QUEUE or queue.startswith(f"{GANG_QUEUE}.")
+
+
+def gang_request(queue: str) -> str:
+    """The `device` request a gang queue was made from (queue_for_device's inverse)."""
+    rest = queue[len(GANG_QUEUE) + 1:]
+    return rest[len("dev."):] if rest.startswith("dev.") else (rest or "auto")
 
 
 @dataclass(frozen=True)
@@ -41,15 +60,17 @@ class TrainDelivery:
     job_id: str
     token: str
     queue: str
+    # A gang's rank: "<rank>.<attempt id>" (core/gangs.py), sent to that rank's device queue.
+    seat: str | None = None
 
     def task_args(self) -> list[str]:
-        return [self.job_id, self.token]
+        return [self.job_id, self.token] + ([self.seat] if self.seat else [])
 
     @property
     def task_id(self) -> str:
         """The Celery task id of this delivery's message: how the dispatch reconciler recognises
         it waiting in a queue (`waiting_task_ids`). Ids and tokens are hex, so the dot is unambiguous."""
-        return f"{self.job_id}.{self.token}"
+        return f"{self.job_id}.{self.token}" + (f".{self.seat}" if self.seat else "")
 
 
 # How the job store sends a delivery; a callable so core/jobs.py never imports Celery.
@@ -86,10 +107,16 @@ def create_celery(settings: Settings, *, with_tasks: bool = False) -> Celery:
     return app
 
 
-def dispatcher(app: Celery) -> Dispatch:
-    """The JobStore's dispatch callable: one `train(job_id, token)` message on the job's queue."""
+def dispatcher(app: Celery, client: Any = None) -> Dispatch:
+    """The JobStore's dispatch callable: one `train(job_id, token)` message on the job's queue, or,
+    for a gang queue, the delivery in `ty:gangs:waiting` (through `client`, the job store's Redis)."""
 
     def dispatch(delivery: TrainDelivery) -> None:
+        if is_gang_queue(delivery.queue):
+            if client is None:
+                raise RuntimeError("this dispatcher cannot queue data-parallel jobs (no Redis client)")
+            client.zadd(keys.GANGS_WAITING, {delivery.task_id: 0}, nx=True)
+            return
         app.send_task(TRAIN_TASK, args=delivery.task_args(), queue=delivery.queue, task_id=delivery.task_id)
 
     return dispatch
@@ -100,13 +127,19 @@ def waiting_task_ids(client: Any, queues: Iterable[str]) -> set[str]:
 
     kombu's Redis transport keeps a queue as lists of JSON messages (one list per priority,
     core/keys.kombu_queue_lists) whose `headers.id` is the Celery task id (protocol 2). One LRANGE
-    per list: the reconciler reads them only when some queued job is overdue."""
+    per list: the reconciler reads them only when some queued job is overdue. A gang queue's waiting
+    deliveries are the members of `ty:gangs:waiting`."""
     pipe = client.pipeline(transaction=False)
+    gangs = any(is_gang_queue(queue) for queue in queues)
+    if gangs:
+        pipe.zrange(keys.GANGS_WAITING, 0, -1)
     for queue in queues:
-        for name in keys.kombu_queue_lists(queue):
-            pipe.lrange(name, 0, -1)
-    found: set[str] = set()
-    for messages in pipe.execute():
+        if not is_gang_queue(queue):
+            for name in keys.kombu_queue_lists(queue):
+                pipe.lrange(name, 0, -1)
+    replies = pipe.execute()
+    found: set[str] = set(replies.pop(0)) if gangs else set()
+    for messages in replies:
         for raw in messages:
             try:
                 task_id = json.loads(raw)["headers"]["id"]

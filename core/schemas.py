@@ -21,6 +21,11 @@ class JobStatus(StrEnum):
         return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
 
 
+# The most devices one job may ask for (POST /jobs `world_size`): far beyond any host, bounded so a
+# request cannot make the scheduler walk an absurd list.
+MAX_WORLD_SIZE = 256
+
+
 class JobKind(StrEnum):
     """What a job does on a worker. Every kind shares the lifecycle (queued → running → terminal),
     leases, cancellation and events; worker/job_runner.py picks the handler by kind."""
@@ -73,6 +78,11 @@ class JobSpec(BaseModel):
                                   "of this succeeded job (same model); a new classifier head when classes differ.")
     pretrained: bool = Field(default=False, description="Start from torchvision's ImageNet weights (resnet18, "
                              "mobilenet_v3_small), with their preprocessing.")
+    # --- data-parallel training on several devices (docs/training.md "One job on many devices") ---
+    world_size: int = Field(default=1, ge=1, le=MAX_WORLD_SIZE, description="Devices that train the job together "
+                            "(DistributedDataParallel, one rank per worker); batch_size is the global batch.")
+    elastic: bool = Field(default=False, description="After a fault, resume with fewer devices when fewer are free "
+                          "(the global batch and the schedule are kept).")
 
 
 class EvaluateSpec(BaseModel):
@@ -202,6 +212,14 @@ class CheckpointInfo(BaseModel):
     bytes: int
 
 
+class GangRank(BaseModel):
+    """One member of a data-parallel job's gang (Job.ranks): which worker runs which rank."""
+
+    rank: int
+    device: str
+    worker: str
+
+
 class Job(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
 
@@ -235,6 +253,18 @@ class Job(BaseModel):
     evaluations: list[Evaluation] | None = Field(
         default=None, description="GET /jobs/{id} of a training job: its evaluations, newest first.")
     results: PredictSummary | None = Field(default=None, description="A succeeded predict job: its results file.")
+    world_size: int = Field(default=1, description="Devices the job asked to train on together (its params').")
+    ranks: list[GangRank] | None = Field(
+        default=None, description="A data-parallel job: the ranks of its current (or last) attempt, rank 0 first; "
+                                  "fewer than world_size after an elastic resume.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _world_size_from_params(cls, data: Any) -> Any:
+        """The record keeps world_size in its params (decided at submit); the contract shows it on the job."""
+        if isinstance(data, dict) and "world_size" not in data and isinstance(data.get("params"), dict):
+            return {**data, "world_size": data["params"].get("world_size") or 1}
+        return data
 
 
 class JobList(BaseModel):

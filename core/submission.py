@@ -15,6 +15,7 @@ from core.config import Settings
 from core.datasets import DatasetCatalog, DatasetRecord, builtin_classes, split_sizes
 from core.devices import DeviceRegistry
 from core.errors import InvalidInput, NotFound
+from core.gangs import check_world_size
 from core.jobs import JobStore, body_digest
 from core.lineage import record_dependent
 from core.params import resolve_params
@@ -47,6 +48,7 @@ class JobSubmission:
         dataset = self.catalog.claim_for_job(self.catalog.resolve(spec.dataset).id)
         _check_trainable(dataset, params.val_fraction)
         device = self.devices.validate_request(spec.device)
+        check_world_size(params.world_size, device, self.devices.all())  # a gang: core/gangs.py
         check_admission(job_shape(spec.model, dataset, params), self._eligible(device), self.settings)
         job, created = self.store.create(model=spec.model, dataset=dataset.id, params=params.model_dump(),
                                          requested_device=device, idempotency_key=idempotency_key, kind=spec.kind,

@@ -8,7 +8,9 @@ What runs, on loopback only, in a data dir of its own (a temporary one unless --
 `torchyard up` (its embedded Redis on a unix socket, the API on 127.0.0.1, a CPU worker on node
 `chaos-a`), and a second worker "host" (`chaos-b`) on the same Redis and data dir, which this
 script restarts when it dies (as compose's restart policy would). Jobs train cifar_net on a small
-dataset this script uploads (a few seconds of CPU each).
+dataset this script uploads (a few seconds of CPU each); every --gang-every'th job is data-parallel
+(`world_size` 2: one rank on each host, gloo over loopback; every other one of them `elastic`), so
+faults land in gangs too.
 
 The client submits jobs one after another, each with a fresh Idempotency-Key, and retries the
 same key and body on any failure (connection refused or reset, timeout, 5xx) until it is
@@ -130,6 +132,8 @@ class Report:
     unrecovered: int = 0
     recovery_stats: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    gangs_acknowledged: int = 0  # data-parallel jobs among the acknowledged
+    gangs_succeeded: int = 0
 
     @property
     def ok(self) -> bool:
@@ -144,12 +148,15 @@ class Report:
             "attempts_over_one": self.attempts_over_one, "faults": dict(self.faults),
             "faults_total": sum(self.faults.values()), "longest_recovery_s": self.longest_recovery,
             "unrecovered_faults": self.unrecovered, "recovery": self.recovery_stats, "seconds": round(self.seconds, 1),
+            "gangs_acknowledged": self.gangs_acknowledged, "gangs_succeeded": self.gangs_succeeded,
         }
 
     def table(self) -> str:
         recovery = ", ".join(f"{k} {v:.1f}s" for k, v in sorted(self.longest_recovery.items())) or "-"
         rows = [
             ("jobs acknowledged", self.acknowledged), ("succeeded", self.succeeded), ("lost", len(self.lost)),
+            ("of them data-parallel (2 ranks): acknowledged, succeeded", f"{self.gangs_acknowledged}, "
+                                                                          f"{self.gangs_succeeded}"),
             ("run twice", len(self.ran_twice)), ("checkpoint mismatches", len(self.mismatched)),
             ("jobs nobody was told of", len(self.unannounced)),
             ("keys answered with two jobs", len(self.conflicting_keys)),
@@ -192,6 +199,7 @@ class Stack:
                     "TORCHYARD_PORT": str(self.port), "TORCHYARD_DEVICES": "cpu", "PYTHONUNBUFFERED": "1",
                     "TORCHYARD_HEARTBEAT_INTERVAL_S": "0.5", "TORCHYARD_HEARTBEAT_TTL_S": "3",
                     "TORCHYARD_LEASE_TTL_S": str(lease_ttl_s), "TORCHYARD_MAX_ATTEMPTS": "1000",
+                    "TORCHYARD_ADVERTISE_ADDRESS": "127.0.0.1",  # a gang's rendezvous, on loopback too
                     "TORCHYARD_PREDICT_CPU_THREADS": "1"}
         self.up: subprocess.Popen | None = None
         self.worker_b: subprocess.Popen | None = None
@@ -367,6 +375,9 @@ class Chaos:
             "model": "cifar_net", "dataset": self.dataset, "epochs": self.args.epochs, "batch_size": 16,
             "patience": 0,  # every epoch runs, so "each epoch recorded once" is checked on all of them
             "seed": index, "val_fraction": 0.2})
+        every = self.args.gang_every
+        if every and index % every == every - 1:
+            item.body.update(world_size=2, elastic=(index // every) % 2 == 1)
         self.submitted.append(item)
         pause = 0.2
         while not self.stop_event.is_set():
@@ -505,6 +516,7 @@ class Chaos:
         report = Report(retried_requests=self.retried)
         acked = [s for s in self.submitted if s.job_id]
         report.acknowledged = len(acked)
+        report.gangs_acknowledged = sum(s.body.get("world_size", 1) > 1 for s in acked)
         jobs: dict[str, dict] = {}
         for item in acked:
             assert item.job_id is not None
@@ -521,6 +533,7 @@ class Chaos:
                 log(f"  lost {job_id}: {job.get('status')} {job.get('error') or job.get('message')}")
                 continue
             report.succeeded += 1
+            report.gangs_succeeded += job.get("world_size", 1) > 1
             report.attempts_over_one += job["attempts"] > 1
             if not self._ran_once(job_id, job):
                 report.ran_twice.append(job_id)
@@ -616,6 +629,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--images-per-class", type=int, default=64)
     parser.add_argument("--in-flight", type=int, default=4, help="unfinished jobs the client keeps at most")
+    parser.add_argument("--gang-every", type=int, default=3,
+                        help="every Nth job trains on both workers at once (world_size 2); 0: none")
     parser.add_argument("--gap-min", type=float, default=1.0, help="seconds between a recovery and the next fault")
     parser.add_argument("--gap-max", type=float, default=5.0)
     parser.add_argument("--freeze-max", type=float, default=8.0, help="longest SIGSTOP, seconds")

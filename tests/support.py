@@ -137,3 +137,34 @@ def own_api(redis_url: str, root: Path, **env: str) -> Iterator[dict]:
     finally:
         client.close()
         procs.stop_all()
+
+
+@contextmanager
+def two_hosts(root: Path, timeout: float = 180, **env: str) -> Iterator[dict]:
+    """An embedded Redis the test may kill, the API, and CPU workers on two "hosts" (h1, h2:
+    TORCHYARD_NODE_NAME) sharing that Redis and one data dir under `root`, with `env`; yields
+    {"client", "procs", "workers", "server", "url", "data_dir"} once both workers are idle. Frozen
+    workers are thawed and everything is stopped at the end."""
+    import signal
+
+    from app.embedded_redis import EmbeddedRedis
+
+    server = EmbeddedRedis(root / "redis")
+    url = server.start()
+    procs = Processes(url, root / "data", root / "logs", **env)
+    workers = {node: procs.worker("cpu", name=node, TORCHYARD_NODE_NAME=node) for node in ("h1", "h2")}
+    port = free_port()
+    procs.api(port)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    try:
+        wait_until(lambda: {d["id"] for d in client.get("/devices").json()["devices"] if d["status"] == "idle"}
+                   >= {"h1/cpu", "h2/cpu"}, timeout=timeout, what="workers h1 and h2")
+        yield {"client": client, "procs": procs, "workers": workers, "server": server, "url": url,
+               "data_dir": root / "data"}
+    finally:
+        for proc in workers.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+        client.close()
+        procs.stop_all()
+        server.stop()

@@ -19,13 +19,28 @@ PAD = 4  # pixels of (reflected) padding around a crop: the CIFAR recipe's Rando
 def random_crop_flip(images: torch.Tensor, generator: torch.Generator, pad: int = PAD) -> torch.Tensor:
     """N×C×H×W (any dtype) → the same shape, each image shifted by its own (dy, dx) in [-pad, pad]
     with reflected borders and flipped left-right with probability 1/2."""
+    if len(images) == 0:
+        return images
+    shifts, flips = crop_flip_draws(len(images), images.shape[2], images.shape[3], generator, images.device, pad)
+    return apply_crop_flip(images, shifts, flips)
+
+
+def crop_flip_draws(n: int, h: int, w: int, generator: torch.Generator, device: torch.device,
+                    pad: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """The random part of `random_crop_flip` for `n` images: (N×2 shifts, N×1 flips). A gang's rank
+    draws them for the whole global batch, the same on every rank, and applies its own rows."""
+    pad = min(pad, h - 1, w - 1)  # a reflection cannot reach further than the image
+    shifts = torch.randint(-pad, pad + 1, (n, 2), device=device, generator=generator)
+    flips = torch.randint(0, 2, (n, 1), device=device, generator=generator).bool()
+    return shifts, flips
+
+
+def apply_crop_flip(images: torch.Tensor, shifts: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
+    """Shift and flip each image as drawn (one gather)."""
     n, c, h, w = images.shape
     if n == 0:
         return images
     device = images.device
-    pad = min(pad, h - 1, w - 1)  # a reflection cannot reach further than the image
-    shifts = torch.randint(-pad, pad + 1, (n, 2), device=device, generator=generator)
-    flips = torch.randint(0, 2, (n, 1), device=device, generator=generator).bool()
     rows = _reflect(torch.arange(h, device=device) + shifts[:, :1], h)  # N×H
     across = torch.arange(w, device=device)
     cols = _reflect(torch.where(flips, (w - 1) - across, across) + shifts[:, 1:], w)  # N×W

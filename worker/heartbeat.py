@@ -29,6 +29,7 @@ from typing import Any, Literal
 from core import keys
 from core.clock import redis_now, utc_now_iso
 from core.devices import DeviceRegistry
+from core.gang_scheduler import GangScheduler
 from core.jobs import JobStore
 from core.logs import RedisOutageLog
 from core.redis import OUTAGE_ERRORS
@@ -89,7 +90,7 @@ class Heartbeat(threading.Thread):
                  state: WorkerState, loaded_models: Callable[[], list[str]], interval_s: float,
                  inference_stats: Callable[[], dict[str, Any]] | None = None, *,
                  sweeper: Sweeper | None = None, health: DeviceHealth | None = None,
-                 take_out_of_service: Callable[[str], None] | None = None) -> None:
+                 take_out_of_service: Callable[[str], None] | None = None, gangs: GangScheduler | None = None) -> None:
         super().__init__(name="torchyard-heartbeat", daemon=True)
         self.device = device
         self.instance = instance
@@ -100,6 +101,7 @@ class Heartbeat(threading.Thread):
         self.interval_s = interval_s
         self.inference_stats = inference_stats
         self.sweeper = sweeper
+        self.gangs = gangs
         self.health = health or DeviceHealth()
         self.take_out_of_service = take_out_of_service or (lambda reason: self.state.out_of_service.set())
         self.stall_s = max(interval_s, 1.0)
@@ -145,7 +147,7 @@ class Heartbeat(threading.Thread):
     def beat(self) -> None:
         started = time.monotonic()
         job, token = self.state.current_job, self.state.current_token
-        if job and token and not self.store.renew_lease(job, token):
+        if job and token and self.state.leased and not self.store.renew_lease(job, token):
             self.state.lease_lost_by(token)
         if not self.registry.publish(self.device.id, self.instance, self.snapshot()):
             log.error("device %s is now held by another worker instance", self.device.id)
@@ -155,6 +157,8 @@ class Heartbeat(threading.Thread):
         self._last_ok = done
         if self.sweeper is not None and not self.health.broken:
             self.sweeper.maybe_sweep(done - self._healthy_since)
+        if self.gangs is not None and not self.health.broken:
+            self.gangs.run_once()  # data-parallel jobs whose devices are free now (core/gang_scheduler.py)
 
     def run(self) -> None:
         while not self._halt.is_set():

@@ -29,6 +29,7 @@ from worker.device import WorkerDevice
 from worker.device_health import DeviceHealth
 from worker.evaluate_job import run_evaluate_job
 from worker.export_job import run_export_job
+from worker.gang import GANG_FAULT, GangMember, GangServices
 from worker.job_context import JobContext, JobFailed, JobHandler, StopJob
 from worker.predict_job import run_predict_job
 from worker.state import WorkerState
@@ -52,7 +53,7 @@ class JobRunner:
     def __init__(self, settings: Settings, device: WorkerDevice, store: JobStore, catalog: DatasetCatalog,
                  state: WorkerState, *, health: DeviceHealth | None = None, instance: str = "",
                  take_out_of_service: Callable[[str], None] | None = None, torch_threads: int | None = None,
-                 release_cores: Callable[[], None] | None = None) -> None:
+                 release_cores: Callable[[], None] | None = None, gangs: GangServices | None = None) -> None:
         self.settings = settings
         # The job runs in a thread of its own on `torch_threads` (the process's default: all the
         # cores), after `release_cores` has taken the /predict forward off them (worker/cpu_threads.py).
@@ -66,8 +67,23 @@ class JobRunner:
         self.instance = instance
         self.take_out_of_service = take_out_of_service or (lambda reason: self.state.out_of_service.set())
         self.paths = CheckpointPaths(settings.checkpoints_dir)
+        # The device slot around every task, and the tasks that are a gang's ranks (worker/gang.py).
+        self.gang = GangMember(self, *gangs) if gangs is not None else None
 
-    def run(self, job_id: str, token: str) -> None:
+    def run(self, job_id: str, token: str, seat: str | None = None) -> None:
+        """One delivered task: a job on this device, or (`seat`) one rank of a data-parallel job."""
+        if self.gang is None:
+            self.run_delivery(job_id, token)
+        elif seat is not None:
+            self.gang.run(job_id, token, seat)
+        elif self.gang.take_device(job_id, token):  # else reserved for a gang's rank: the delivery was re-sent
+            try:
+                self.run_delivery(job_id, token)
+            finally:
+                self.gang.release_device(job_id, token)
+
+    def run_delivery(self, job_id: str, token: str, handler: JobHandler | None = None) -> None:
+        """Claim the delivery and run `handler` (the kind's, by default) in a thread of its own."""
         if self.state.out_of_service.is_set():
             # Left queued: its dispatch intent stands, and the reconciler re-sends it to another worker.
             log.warning("job %s not started: this worker's device is out of service", job_id)
@@ -87,18 +103,18 @@ class JobRunner:
         delivery = Delivery(self.store, self.paths, job_id, token, halted=self.state.shutdown.is_set)
         try:
             self.release_cores()
-            run_in_own_thread(lambda: self._execute(delivery), self.torch_threads, f"torchyard-job-{job_id}")
+            run_in_own_thread(lambda: self._execute(delivery, handler), self.torch_threads, f"torchyard-job-{job_id}")
         except OUTAGE_ERRORS as exc:  # only while shutting down: the calls wait out an outage otherwise
             log.warning("job %s: Redis is unavailable while this worker shuts down (%s); its lease will lapse "
                         "and another worker resumes it", job_id, exc)
         finally:
             self.state.end()
 
-    def _execute(self, delivery: Delivery) -> None:
+    def _execute(self, delivery: Delivery, handler: JobHandler | None = None) -> None:
         job_id = delivery.job_id
         try:
             job = delivery.call(self.store.get, job_id)
-            handler = HANDLERS.get(job.kind)
+            handler = handler or HANDLERS.get(job.kind)
             if handler is None:
                 raise JobFailed(f"this worker cannot run jobs of kind {job.kind!r}")
             ctx = JobContext(job_id, delivery.token, self.settings, self.device, self.store, self.catalog,
@@ -138,6 +154,8 @@ class JobRunner:
             delivery.requeue(f"worker {self.device.worker_name} shut down")
         elif reason == "device_broken":
             delivery.requeue(f"device {self.device.id} went out of service ({self.health.broken})")
+        elif reason.startswith(GANG_FAULT):  # another rank of the gang died, froze or left
+            delivery.requeue(reason.partition(": ")[2] or "a rank left the gang")
         else:
             log.warning("job %s: this worker lost its lease; another delivery owns the job now", delivery.job_id)
             delivery.discard_outputs()

@@ -71,9 +71,12 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     import torch  # after pinning: the caller set CUDA_VISIBLE_DEVICES before this import
     from celery.signals import worker_shutting_down
 
+    from core.gang_scheduler import GangScheduler
+    from core.gangs import DeviceSlots, GangRecords
     from core.queue import create_celery, dispatcher
     from worker.device import check_cuda
     from worker.device_health import DeviceHealth
+    from worker.gang import GangServices
     from worker.heartbeat import Heartbeat, Sweeper
     from worker.model_cache import ModelCache
     from worker.serving.engine import InferenceServer
@@ -84,7 +87,8 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     job_threads = torch.get_num_threads()
     client = connect(settings.resolved_redis_url())
     celery = create_celery(settings, with_tasks=True)
-    store = JobStore(client, dispatcher(celery), lease_ttl_s=settings.lease_ttl_s,
+    dispatch = dispatcher(celery, client)
+    store = JobStore(client, dispatch, lease_ttl_s=settings.lease_ttl_s,
                      max_attempts=settings.max_attempts, dispatch_grace_s=settings.dispatch_grace_s)
     registry = DeviceRegistry(client, settings.heartbeat_ttl_s)
     instance = new_instance(os.getpid())
@@ -93,6 +97,9 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     # until the lease expires; its pid is gone, so that job runs again now (docs/reliability.md).
     for job_id in store.take_back_from_dead(device.worker_name, instance, _instance_gone):
         log.warning("job %s: its worker process here died; taken back without waiting for its lease", job_id)
+    slots = DeviceSlots(client, device.id)
+    slots.reset()  # what a predecessor on this device was busy with is over (core/gangs.py)
+    gangs = GangScheduler(client, dispatch, registry.all, reservation_s=settings.lease_ttl_s, instance=instance)
 
     state = WorkerState()
     paths = CheckpointPaths(settings.checkpoints_dir)
@@ -120,10 +127,11 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     heartbeat = Heartbeat(device, instance, registry, store, state, cache.resident, settings.heartbeat_interval_s,
                           inference_stats=inference.stats.as_dict,
                           sweeper=Sweeper(store, paths, instance, settings.lease_ttl_s), health=health,
-                          take_out_of_service=take_out_of_service)
+                          take_out_of_service=take_out_of_service, gangs=gangs)
     runner = JobRunner(settings, device, store, DatasetCatalog(client, settings, store), state, health=health,
                        instance=instance, take_out_of_service=take_out_of_service, torch_threads=job_threads,
-                       release_cores=inference.release_cores)
+                       release_cores=inference.release_cores,
+                       gangs=GangServices(slots, GangRecords(client), gangs.resend))
     _current = WorkerRuntime(settings, device, runner)
 
     worker_shutting_down.connect(lambda **_: state.shutdown.set(), weak=False)

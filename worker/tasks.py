@@ -9,5 +9,6 @@ from worker.main import current_runtime
 
 
 @shared_task(name=TRAIN_TASK, ignore_result=True)
-def train(job_id: str, token: str) -> None:
-    current_runtime().runner.run(job_id, token)
+def train(job_id: str, token: str, seat: str | None = None) -> None:
+    """A job's delivery; with `seat`, one rank of a data-parallel job (core/gang_scheduler.py)."""
+    current_runtime().runner.run(job_id, token, seat)

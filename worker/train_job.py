@@ -5,58 +5,91 @@ some (`init_from` a job, or `pretrained`: worker/init_weights.py), loads the dat
 architecture's input size (and the starting weights' resize), lets `plan_training` add this
 device's choices (recorded into the job's params), and runs the loop of worker/trainer.py. Its
 outcome is the final checkpoint and its sha256; the kept epoch, why training ended and the
-validation of the kept weights go into the job's record.
+validation of the kept weights go into the job's record. A data-parallel job's ranks prepare the
+same inputs (`training_inputs`) and train in worker/gang_training.py.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
+from core.config import Settings
+from core.datasets import DatasetCatalog
+from core.jobs import JobStore
 from core.params import TrainingParams
 from core.schemas import CheckpointInfo, Job
-from core.storage import sha256_file
+from core.storage import CheckpointPaths, sha256_file
 from models.registry import get_model_spec
 from worker import init_weights
-from worker.data import load_dataset
+from worker.data import ImageTensors, load_dataset
 from worker.init_weights import InitialWeights
 from worker.job_context import JobContext, JobFailed, JobOutcome
-from worker.trainer import Trainer, plan_training
+from worker.trainer import Trainer, TrainingResult, plan_training
 
 
-def run_train_job(job: Job, ctx: JobContext) -> JobOutcome:
+@dataclass(frozen=True)
+class TrainingInputs:
+    """What a run starts from: the stored params, the input spec, the starting weights and the data."""
+
+    params: TrainingParams
+    channels: int
+    height: int
+    width: int
+    initial: InitialWeights | None
+    resize: int | None
+    data: ImageTensors
+    device: torch.device
+
+
+def training_inputs(job: Job, settings: Settings, catalog: DatasetCatalog, store: JobStore, paths: CheckpointPaths,
+                    torch_device: str) -> TrainingInputs:
     params = TrainingParams.model_validate(job.params)  # resolved at submit (core/params.py)
     spec = get_model_spec(job.model)
     size = params.image_size
     height, width = (size, size) if not spec.input.fixed_size else (spec.input.height, spec.input.width)
-    channels = spec.input.channels
-    device = torch.device(ctx.device.torch_device)
-    initial = _initial_weights(job, params, ctx, device)
+    device = torch.device(torch_device)
+    initial = _initial_weights(job, params, settings, store, paths, device)
     resize = round(height * initial.resize_ratio) if initial is not None and initial.resize_ratio else None
-    record = ctx.catalog.get(job.dataset)
-    data = load_dataset(record, ctx.settings, channels, height, width, seed=params.seed, resize_size=resize)
-    ctx.set_classes(data.classes)
-    plan = plan_training(job.id, job.model, params, data, device, channels, height, width)
-    ctx.set_params({**job.params, **plan.as_params(), "resize_size": resize})
+    data = load_dataset(catalog.get(job.dataset), settings, spec.input.channels, height, width, seed=params.seed,
+                        resize_size=resize)
+    return TrainingInputs(params, spec.input.channels, height, width, initial, resize, data, device)
+
+
+def run_train_job(job: Job, ctx: JobContext) -> JobOutcome:
+    inputs = training_inputs(job, ctx.settings, ctx.catalog, ctx.store, ctx.paths, ctx.device.torch_device)
+    ctx.set_classes(inputs.data.classes)
+    plan = plan_training(job.id, job.model, inputs.params, inputs.data, inputs.device, inputs.channels,
+                         inputs.height, inputs.width)
+    ctx.set_params({**job.params, **plan.as_params(), "resize_size": inputs.resize})
     # model.pt is this delivery's until it finishes the job; resume states are per epoch and
     # recorded with the epoch's metrics (worker/job_context.py).
-    trainer = Trainer(plan, data, final_path=ctx.output_path("model.pt"), resume_from=ctx.resume_state(),
+    trainer = Trainer(plan, inputs.data, final_path=ctx.output_path("model.pt"), resume_from=ctx.resume_state(),
                       resume_to=lambda epoch: ctx.scratch_path(f"resume-{epoch}.pt"),
-                      reporter=ctx.reporter, should_stop=ctx.should_stop, dataset=job.dataset, initial=initial,
-                      resize_size=resize)
-    result = trainer.run()
+                      reporter=ctx.reporter, should_stop=ctx.should_stop, dataset=job.dataset, initial=inputs.initial,
+                      resize_size=inputs.resize)
+    return record_outcome(job, ctx, trainer.run())
+
+
+def record_outcome(job: Job, ctx: JobContext, result: TrainingResult) -> JobOutcome:
+    """The kept epoch, why training ended and the kept weights' validation, into the job; the checkpoint."""
     ctx.set_training_outcome(result.best_epoch, result.stop_reason)
     if result.validation is not None:
         ctx.set_evaluation(result.validation.model_dump())
-    return JobOutcome(checkpoint=CheckpointInfo(url=f"/jobs/{job.id}/checkpoint", sha256=sha256_file(result.final_path),
-                                                bytes=result.final_path.stat().st_size))
+    final: Path = result.final_path
+    return JobOutcome(checkpoint=CheckpointInfo(url=f"/jobs/{job.id}/checkpoint", sha256=sha256_file(final),
+                                                bytes=final.stat().st_size))
 
 
-def _initial_weights(job: Job, params: TrainingParams, ctx: JobContext, device: torch.device) -> InitialWeights | None:
+def _initial_weights(job: Job, params: TrainingParams, settings: Settings, store: JobStore, paths: CheckpointPaths,
+                     device: torch.device) -> InitialWeights | None:
     if params.init_from:
-        parent = ctx.store.get(params.init_from)
+        parent = store.get(params.init_from)
         if parent.model != job.model:  # checked at submit; the record could only change by hand
             raise JobFailed(f"init_from: job {parent.id} trained {parent.model}, not {job.model}")
-        return init_weights.from_job(parent, ctx.paths, device)
+        return init_weights.from_job(parent, paths, device)
     if params.pretrained:
-        return init_weights.from_pretrained(job.model, ctx.settings, device)
+        return init_weights.from_pretrained(job.model, settings, device)
     return None

@@ -1,7 +1,8 @@
 """The training loop on one device: batches from resident or staged data, per-image augmentation,
 the recipe (schedule, weight decay, label smoothing, mixed precision where native), per-epoch
 validation with early stopping, the best epoch's weights kept, resumable checkpoints, and a
-smaller micro-batch when the GPU runs out of memory.
+smaller micro-batch when the GPU runs out of memory (the step itself: worker/train_step.py). As
+one rank of a data-parallel job, the same loop under a gang's `Placement` (worker/distributed.py).
 
 The loop knows nothing about Redis or Celery: it reports through a `JobReporter` and asks
 `should_stop()` every step, which is how cancellation, a lost lease and worker shutdown reach it.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -24,14 +25,13 @@ from core.params import DEFAULT_BATCH_SIZE, TrainingParams, schedule_for
 from core.schemas import EpochMetrics, EvaluationResult, Progress
 from models.registry import build_model
 from worker import init_weights
-from worker.augment import random_crop_flip
 from worker.backoff import BatchBackoff
 from worker.checkpoint import ModelMeta, Preprocessing, load_payload, save_model, save_resume_state
 from worker.data import ImageTensors, split
 from worker.evaluation import EVAL_BATCH, Measured, measure
 from worker.init_weights import InitialWeights
 from worker.job_context import JobReporter, StopJob
-from worker.preprocess import channel_stats, normalize, stats_tensors
+from worker.preprocess import channel_stats, stats_tensors
 from worker.recipe import (
     EarlyStopping,
     Score,
@@ -43,6 +43,7 @@ from worker.recipe import (
     make_optimizer,
 )
 from worker.staging import STAGING_BUFFERS, Batches, ResidentBatches, StagedBatches
+from worker.train_step import OneDevice, Placement, StepRunner
 
 log = logging.getLogger(__name__)
 
@@ -135,14 +136,6 @@ def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def micro_batches(total: int, size: int) -> Iterator[tuple[int, int]]:
-    """`total` images in passes of at most `size`, as even as possible (never a stray pass of one)."""
-    passes = -(-total // max(1, size))
-    per_pass = -(-total // passes)
-    for begin in range(0, total, per_pass):
-        yield begin, min(begin + per_pass, total)
-
-
 @dataclass
 class _Best:
     epoch: int
@@ -153,7 +146,8 @@ class _Best:
 class Trainer:
     def __init__(self, plan: TrainingPlan, data: ImageTensors, *, final_path: Path, resume_from: Path | None,
                  resume_to: Callable[[int], Path], reporter: JobReporter, should_stop: Callable[[], str | None],
-                 dataset: str = "", initial: InitialWeights | None = None, resize_size: int | None = None) -> None:
+                 dataset: str = "", initial: InitialWeights | None = None, resize_size: int | None = None,
+                 placement: Placement | None = None) -> None:
         self.plan = plan
         self.data = data
         self.final_path = final_path
@@ -167,6 +161,7 @@ class Trainer:
         self.initial = initial
         self.resize_size = resize_size
         self.device = torch.device(plan.device)
+        self.placement = placement or OneDevice()
 
     # ------------------------------------------------------------------ the run
     def run(self) -> TrainingResult:
@@ -180,7 +175,7 @@ class Trainer:
         pre = self._preprocessing(train_idx)
         mean_t, std_t = stats_tensors(pre, device)
         train = self._batches(train_idx, plan.batch_size)
-        val = self._batches(val_idx, max(plan.batch_size, EVAL_BATCH))
+        val = self._batches(self.placement.shard(val_idx), max(plan.batch_size, EVAL_BATCH))
 
         model = build_model(plan.architecture, len(classes), plan.channels)
         lineage = None
@@ -208,6 +203,9 @@ class Trainer:
         start_epoch, best, stop_reason = resumed
         if start_epoch > 1:
             self.reporter.resumed(start_epoch - 1)
+        steps_runner = StepRunner(device, self.placement, augment=plan.augment, channels_last=plan.channels_last,
+                                  autocast=self._autocast)
+        train_model = self.placement.wrap(model)  # a gang's rank: DistributedDataParallel
 
         last_measured: Measured | None = None
         epoch = start_epoch - 1
@@ -226,9 +224,9 @@ class Trainer:
             for step, (begin, end) in enumerate(bounds, start=1):
                 if (reason := self.should_stop()) is not None:
                     raise StopJob(reason)
-                x, y = train.take(order[begin:end])
-                step_loss, step_correct = self._step(model, optimizer, scaler, loss_fn, x, y, aug_gen,
-                                                     mean_t, std_t, backoff)
+                x, y = train.take(self.placement.shard(order[begin:end]))
+                step_loss, step_correct = steps_runner.step(train_model, optimizer, scaler, loss_fn, x, y, aug_gen,
+                                                            mean_t, std_t, backoff)
                 step_lr = current_lr(optimizer)  # what this step used (the scheduler moves on below)
                 if scheduler is not None:
                     scheduler.step()
@@ -237,6 +235,7 @@ class Trainer:
                 if time.perf_counter() - last_report >= PROGRESS_EVERY_S:
                     last_report = time.perf_counter()
                     self.reporter.progress(Progress(epoch=epoch, epochs=plan.epochs, step=step, steps=steps))
+            loss_sum, correct = self.placement.reduce_sums(loss_sum, correct)
             train_loss = float(loss_sum) / n
             if not math.isfinite(train_loss):
                 raise NonFiniteLoss(f"the training loss became {train_loss} in epoch {epoch}; "
@@ -244,9 +243,10 @@ class Trainer:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - started
-            measured = measure(model, val, len(classes), mean=mean_t, std=std_t, device=device,
-                               channels_last=plan.channels_last, autocast=self._autocast, backoff=eval_backoff,
-                               batch_size=eval_backoff.size, should_stop=self.should_stop)
+            measured = self.placement.reduce_measured(measure(
+                model, val, len(classes), mean=mean_t, std=std_t, device=device, channels_last=plan.channels_last,
+                autocast=self._autocast, backoff=eval_backoff, batch_size=eval_backoff.size,
+                should_stop=self.should_stop), len(classes))
             last_measured = measured
             if measured is not None and stopper.update(epoch, Score(measured.accuracy, measured.loss)):
                 best = _Best(epoch, _cpu_copy(model), measured)
@@ -280,58 +280,10 @@ class Trainer:
             kept = best.measured  # resumed after the last epoch's checkpoint: its validation is in resume.pt
         meta = replace(meta, training={"best_epoch": kept_epoch, "keep": plan.keep, "stop_reason": stop_reason,
                                        "epochs_run": epochs_run})
-        save_model(self.final_path, model, meta)
+        if self.placement.leader:
+            save_model(self.final_path, model, meta)
         validation = kept.result(classes, self.dataset, "validation", kept_epoch) if kept is not None else None
         return TrainingResult(meta, self.final_path, history, kept_epoch, stop_reason, validation)
-
-    # ------------------------------------------------------------------ one step
-    def _step(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-              loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor, aug_gen: torch.Generator, mean: torch.Tensor,
-              std: torch.Tensor, backoff: BatchBackoff) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step over the batch, in micro-batches of `backoff.size` whose gradients
-        accumulate; on a CUDA out-of-memory error the step starts over with smaller ones."""
-        while True:
-            error = None
-            try:
-                result = self._accumulate(model, optimizer, scaler, loss_fn, x, y, aug_gen, mean, std, backoff.size)
-                backoff.succeeded()
-                return result
-            except torch.OutOfMemoryError as exc:
-                error = str(exc)
-            # Outside the except clause: its traceback (and the failed pass's tensors) is released.
-            optimizer.zero_grad(set_to_none=True)
-            backoff.out_of_memory(error)
-
-    def _accumulate(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
-                    loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor, aug_gen: torch.Generator,
-                    mean: torch.Tensor, std: torch.Tensor, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=self.device)
-        correct = torch.zeros((), device=self.device, dtype=torch.int64)
-        total = len(y)
-        scaled = scaler.is_enabled()
-        for begin, end in micro_batches(total, micro):
-            xb, yb = x[begin:end], y[begin:end]
-            if total == 1:  # a train split of one image: BatchNorm cannot normalise a batch of one
-                xb, yb = xb.repeat(2, 1, 1, 1), yb.repeat(2)
-            if self.plan.augment:
-                xb = random_crop_flip(xb, aug_gen)
-            xb = normalize(xb, mean, std)
-            if self.plan.channels_last:
-                xb = xb.contiguous(memory_format=torch.channels_last)
-            with self._autocast():
-                logits = model(xb)
-                loss = loss_fn(logits.float(), yb)
-            share = loss if end - begin == total else loss * ((end - begin) / total)
-            (scaler.scale(share) if scaled else share).backward()
-            loss_sum += loss.detach() * (end - begin)
-            correct += (logits[: end - begin].argmax(1) == yb[: end - begin]).sum()
-        if scaled:
-            scaler.step(optimizer)
-            scaler.update()
-        else:  # what a disabled scaler would do, without its per-step Python (the CPU's path)
-            optimizer.step()
-        return loss_sum, correct
 
     # ------------------------------------------------------------------ pieces
     def _preprocessing(self, train_idx: torch.Tensor) -> Preprocessing:
@@ -359,7 +311,7 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
 
-        return BatchBackoff(size, what, notify=notify, release=release)
+        return self.placement.backoff(size, what, notify, release)
 
     def _autocast(self) -> Any:
         return autocast(self.device, self.plan.amp_dtype)
@@ -368,10 +320,12 @@ class Trainer:
     def _save_resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                      scaler: torch.amp.GradScaler, stopper: EarlyStopping, backoff: BatchBackoff, epoch: int,
                      history: list[EpochMetrics], best: _Best | None, stop_reason: str | None) -> Path:
+        path = self.resume_to(epoch)
+        if not self.placement.leader:
+            return path  # rank 0 writes it: every rank of a gang holds the same state
         rng = {"cpu": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        path = self.resume_to(epoch)
         save_resume_state(path, {
             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict() if scheduler is not None else None, "scaler": scaler.state_dict(),
@@ -401,7 +355,7 @@ class Trainer:
             scaler.load_state_dict(state["scaler"])
         if state.get("stopper"):
             stopper.load_state_dict(state["stopper"])
-        backoff.size = min(backoff.size, int(state.get("micro_batch") or backoff.size))
+        backoff.size = max(backoff.floor, min(backoff.size, int(state.get("micro_batch") or backoff.size)))
         torch.set_rng_state(state["rng"]["cpu"].cpu())
         if "cuda" in state["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["cuda"].cpu(), self.device)

@@ -48,7 +48,7 @@ class Services:
         url = settings.resolved_redis_url()
         client, aclient = connect(url), connect_async(url)
         celery = create_celery(settings)
-        jobs = JobStore(client, dispatcher(celery), lease_ttl_s=settings.lease_ttl_s,
+        jobs = JobStore(client, dispatcher(celery, client), lease_ttl_s=settings.lease_ttl_s,
                         max_attempts=settings.max_attempts, dispatch_grace_s=settings.dispatch_grace_s)
         devices = DeviceRegistry(client, settings.heartbeat_ttl_s)
         datasets = DatasetCatalog(client, settings, jobs)

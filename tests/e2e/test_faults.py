@@ -24,7 +24,7 @@ import torch
 from app.embedded_redis import EmbeddedRedis
 from core.config import Settings
 from tests.datagen import shapes_zip
-from tests.support import Processes, free_port, own_api, png_bytes, wait_for_job, wait_until
+from tests.support import Processes, free_port, own_api, png_bytes, two_hosts, wait_for_job, wait_until
 from worker.data import fake_images
 
 pytestmark = pytest.mark.e2e
@@ -257,29 +257,12 @@ def test_nan_loss_and_corrupt_checkpoint_fail_clearly_and_the_worker_goes_on(sta
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    root = tmp_path_factory.mktemp("cluster")
-    server = EmbeddedRedis(root / "redis")
-    url = server.start()
-    procs = Processes(url, root / "data", root / "logs", TORCHYARD_LEASE_TTL_S="2", TORCHYARD_MAX_ATTEMPTS="5")
-    workers = {node: procs.worker("cpu", name=node, TORCHYARD_NODE_NAME=node) for node in ("h1", "h2")}
-    port = free_port()
-    procs.api(port)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-    try:
-        wait_until(lambda: {d["id"] for d in client.get("/devices").json()["devices"] if d["status"] == "idle"}
-                   >= {"h1/cpu", "h2/cpu"}, timeout=180, what="workers h1 and h2")
+    with two_hosts(tmp_path_factory.mktemp("cluster"), TORCHYARD_LEASE_TTL_S="2", TORCHYARD_MAX_ATTEMPTS="5") as hosts:
+        client = hosts["client"]
         uploaded = client.post("/datasets", data={"name": "shapes"},
                                files={"file": ("s.zip", shapes_zip(per_class=24, corrupt=None), "application/zip")})
         assert uploaded.status_code == 201, uploaded.text
-        yield {"client": client, "procs": procs, "workers": workers, "server": server, "url": url,
-               "data_dir": root / "data", "dataset": uploaded.json()["id"]}
-    finally:
-        for proc in workers.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGCONT)
-        client.close()
-        procs.stop_all()
-        server.stop()
+        yield {**hosts, "dataset": uploaded.json()["id"]}
 
 
 def _train(cluster: dict, epochs: int) -> str:

@@ -26,7 +26,8 @@ from worker.init_weights import InitialWeights
 from worker.job_context import JobFailed, StopJob
 from worker.recipe import EarlyStopping, Score, choose_precision
 from worker.staging import StagedBatches
-from worker.trainer import Trainer, batch_bounds, micro_batches, plan_training
+from worker.train_step import micro_batches
+from worker.trainer import Trainer, batch_bounds, plan_training
 
 
 def trainer(tmp_path: Path, data: ImageTensors, reporter: Reporter, stop=lambda: None, **spec_and_plan) -> Trainer:

@@ -1,0 +1,253 @@
+"""The gang scheduler: reserve every rank of a data-parallel job at once, or none, and send the ranks.
+
+Run from every live worker's heartbeat (one worker at a time, a short Redis lock), so a gang job
+starts within a beat of enough devices being free, whichever worker freed them. One pass:
+
+1. Reservations that lapsed (rank 0 never claimed the job before the deadline, on Redis's clock:
+   a rank's worker died or never took its message) are undone: their still-reserved slots are
+   freed and the job waits again. Ranks that had joined see the attempt gone and free their own.
+2. The waiting deliveries (`ty:gangs:waiting`), oldest job first: for each, the live devices of
+   its type, packed by host (hosts with the most candidates first: fewer ranks talk across
+   hosts), rank 0's device first when the job named one, go to ONE Lua script that checks each
+   device is alive and free and reserves `world_size` of them, or nothing. An elastic job that
+   was already delivered once (it resumes after a fault) takes as many as are free, from 1 up.
+   An `auto` gang runs on GPUs when enough GPU workers are live, else on CPUs (never a mix).
+3. For a reservation made, one `torchyard.train(job, token, seat)` message per rank, on each
+   device's own queue (core/queue.py).
+
+A job that cannot be placed now waits. So that a stream of single-device jobs cannot starve it,
+the OLDEST gang that waits (and only it: two waiting gangs never hold devices at once, so they
+cannot block each other) holds the free devices it will use, for a few seconds renewed every
+pass: a worker whose device is held gives a single-device job back to its queue, and the gang
+starts once the rest are free. A younger, smaller gang still starts on free devices nobody holds.
+A gang larger than the live devices of its type holds nothing (it waits for workers to come back).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+import redis
+
+from core import keys
+from core.clock import redis_now
+from core.gangs import GANG_RECORD_TTL_S, Seat, new_attempt, parse_gang
+from core.queue import Dispatch, TrainDelivery, gang_request, queue_for_device
+from core.schemas import Device, JobStatus
+
+log = logging.getLogger(__name__)
+
+WAITING_BATCH = 50  # waiting deliveries looked at per pass
+LOCK_MS = 1000
+# How long the oldest waiting gang holds the free devices it will need (renewed every pass, so by
+# every live worker's beat): single-device jobs do not take them while it waits for the others.
+HOLD_S = 5.0
+
+# KEYS: job hash, gang hash, waiting set, reserved set, then per candidate its slot and alive keys.
+# ARGV: task id, token, attempt, want, least, reservation seconds, job id, pinned ("1": candidate 1 must
+# be rank 0), the record's TTL, hold seconds (0: none), then per candidate its device id and worker name.
+# A slot is free when empty, when its reservation or hold lapsed, or when it is held for this job.
+# Returns {1, i1, i2, ...} (the candidates reserved, in rank order); {0, free} when fewer than `least`
+# are free: nothing reserved, and with hold seconds the free ones are held for this job (module
+# docstring); {-1} when the delivery is stale, {-2} when already reserved.
+_RESERVE = """
+redis.replicate_commands()
+local job = redis.call('HMGET', KEYS[1], 'status', 'delivery')
+if job[1] ~= 'queued' or job[2] ~= ARGV[2] then
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  return {-1}
+end
+if redis.call('HGET', KEYS[2], 'token') == ARGV[2] then
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  return {-2}
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local want, least = tonumber(ARGV[4]), tonumber(ARGV[5])
+local free = {}
+for i = 1, (#KEYS - 4) / 2 do
+  if redis.call('EXISTS', KEYS[4 + 2 * i]) == 1 then
+    local s = redis.call('HMGET', KEYS[3 + 2 * i], 'state', 'deadline', 'job')
+    local lapsed = s[2] and tonumber(s[2]) < now
+    if (not s[1]) or ((s[1] == 'reserved' or s[1] == 'held') and lapsed) or (s[1] == 'held' and s[3] == ARGV[7]) then
+      free[#free + 1] = i
+    end
+  end
+end
+local chosen = {}
+for n, i in ipairs(free) do if n <= want then chosen[n] = i end end
+if #chosen < least or (ARGV[8] == '1' and chosen[1] ~= 1) then
+  if tonumber(ARGV[10]) > 0 then  -- the oldest gang that waits: no single-device job starts on these meanwhile
+    local until_ = string.format('%.6f', now + tonumber(ARGV[10]))
+    for _, i in ipairs(free) do
+      redis.call('DEL', KEYS[3 + 2 * i])
+      redis.call('HSET', KEYS[3 + 2 * i], 'state', 'held', 'job', ARGV[7], 'deadline', until_)
+    end
+  end
+  return {0, #free}
+end
+local deadline = string.format('%.6f', now + tonumber(ARGV[6]))
+local members = {}
+for rank0, i in ipairs(chosen) do
+  local slot = KEYS[3 + 2 * i]
+  redis.call('DEL', slot)
+  redis.call('HSET', slot, 'state', 'reserved', 'job', ARGV[7], 'token', ARGV[2], 'attempt', ARGV[3],
+             'rank', rank0 - 1, 'deadline', deadline)
+  members[rank0] = {rank = rank0 - 1, device = ARGV[9 + 2 * i], worker = ARGV[10 + 2 * i]}
+end
+redis.call('DEL', KEYS[2])
+redis.call('HSET', KEYS[2], 'attempt', ARGV[3], 'token', ARGV[2], 'state', 'reserved', 'deadline', deadline,
+           'members', cjson.encode(members))
+redis.call('EXPIRE', KEYS[2], ARGV[9])
+redis.call('ZADD', KEYS[4], deadline, ARGV[7])
+redis.call('ZREM', KEYS[3], ARGV[1])
+local out = {1}
+for _, i in ipairs(chosen) do out[#out + 1] = i end
+return out
+"""
+
+# Undo a reservation that lapsed. KEYS: gang, reserved set, waiting set, job hash, then the slots of
+# its members. ARGV: job id, attempt. Slots still reserved for the attempt are freed (joined ones are
+# their ranks' to free); the job waits again if it is still queued under the gang's token.
+_LAPSE = """
+redis.replicate_commands()
+local g = redis.call('HMGET', KEYS[1], 'attempt', 'state', 'deadline', 'token')
+if g[1] ~= ARGV[2] or g[2] ~= 'reserved' then redis.call('ZREM', KEYS[2], ARGV[1]) return 0 end
+local t = redis.call('TIME')
+if tonumber(t[1]) + tonumber(t[2]) / 1000000 < tonumber(g[3]) then return 0 end
+local job = redis.call('HMGET', KEYS[4], 'status', 'delivery')
+if job[1] == 'running' and job[2] == g[4] then redis.call('ZREM', KEYS[2], ARGV[1]) return 0 end
+for i = 5, #KEYS do
+  local s = redis.call('HMGET', KEYS[i], 'state', 'attempt')
+  if s[1] == 'reserved' and s[2] == ARGV[2] then redis.call('DEL', KEYS[i]) end
+end
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+if job[1] == 'queued' and job[2] == g[4] then redis.call('ZADD', KEYS[3], 0, ARGV[1] .. '.' .. g[4]) end
+return 1
+"""
+
+
+_UNLOCK = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end
+return 1
+"""
+
+
+def placement_order(candidates: list[Device], pinned: str | None) -> list[Device]:
+    """Candidates packed by host (the host with the most first, then by id), `pinned` first."""
+    per_host = Counter(d.id.split("/", 1)[0] for d in candidates)
+    ordered = sorted(candidates, key=lambda d: (-per_host[d.id.split("/", 1)[0]], d.id))
+    if pinned is not None:
+        ordered = [d for d in ordered if d.id == pinned] + [d for d in ordered if d.id != pinned]
+    return ordered
+
+
+class GangScheduler:
+    def __init__(self, client: redis.Redis, dispatch: Dispatch, devices: Callable[[], list[Device]], *,
+                 reservation_s: float, hold_s: float = HOLD_S, instance: str = "") -> None:
+        self.redis = client
+        self.dispatch = dispatch
+        self.devices = devices  # every device's last heartbeat record (core/devices.DeviceRegistry.all)
+        self.reservation_s = reservation_s
+        self.hold_s = hold_s
+        self.instance = instance or new_attempt()
+        self._reserve = client.register_script(_RESERVE)
+        self._lapse = client.register_script(_LAPSE)
+        self._unlock = client.register_script(_UNLOCK)
+
+    def run_once(self) -> list[str]:
+        """One pass (module docstring); the jobs reserved. Cheap when nothing waits (two ZCARDs)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zcard(keys.GANGS_WAITING)
+        pipe.zcard(keys.GANGS_RESERVED)
+        waiting, reserved = pipe.execute()
+        if not waiting and not reserved:
+            return []
+        if not self.redis.set(keys.GANGS_LOCK, self.instance, nx=True, px=LOCK_MS):
+            return []  # another worker's pass (their reservations are atomic anyway: this only saves work)
+        try:
+            if reserved:
+                self._undo_lapsed(redis_now(self.redis))
+            placed: list[str] = []
+            entries = self.redis.zrange(keys.GANGS_WAITING, 0, WAITING_BATCH - 1) if waiting else []
+            devices = [d for d in self.devices() if d.status in ("idle", "busy")] if entries else []
+            hold = True  # only the oldest gang that has to wait holds devices
+            for entry in entries:
+                job_id, _, token = entry.partition(".")
+                outcome = self._place(entry, job_id, token, devices, hold)
+                if outcome == "placed":
+                    placed.append(job_id)
+                elif outcome == "waits":
+                    hold = False
+            return placed
+        finally:
+            self._unlock(keys=[keys.GANGS_LOCK], args=[self.instance])
+
+    def resend(self, job_id: str, token: str) -> None:
+        """A worker whose device was reserved for a gang refused this single-device delivery: send it
+        again, so another worker (or this one after its rank) takes it."""
+        status, delivery, queue = self.redis.hmget(keys.job(job_id), "status", "delivery", "queue")
+        if status == JobStatus.queued.value and delivery == token and queue:
+            self.dispatch(TrainDelivery(job_id, token, queue))
+
+    def _place(self, entry: str, job_id: str, token: str, live: list[Device], hold: bool) -> str:
+        """placed; waits (it fits the live devices once enough are free: with `hold`, the free ones are
+        held for it); or skipped (stale, or too few live devices of its type: nothing is held)."""
+        status, queue, raw_params, attempts = self.redis.hmget(keys.job(job_id), "status", "queue", "params",
+                                                               "attempts")
+        if status != JobStatus.queued.value or not queue:
+            self.redis.zrem(keys.GANGS_WAITING, entry)
+            return "skipped"
+        params = json.loads(raw_params or "{}")
+        world_size = int(params.get("world_size") or 1)
+        least = 1 if params.get("elastic") and int(attempts or 0) > 0 else world_size
+        requested = gang_request(queue)
+        pinned = next((d for d in live if d.id == requested), None)
+        if requested in ("cuda", "cpu"):
+            kinds = [requested]
+        elif requested == "auto":
+            kinds = ["cuda", "cpu"]
+        elif pinned is not None:
+            kinds = [pinned.type]
+        else:
+            return "skipped"  # rank 0's device is offline: the job waits for it
+        # An auto gang runs on GPUs when enough GPU workers are live, else on CPUs.
+        kind = next((k for k in kinds if sum(d.type == k for d in live) >= least), None)
+        if kind is None:
+            return "skipped"  # too few live devices of its type: it waits for workers, holding nothing
+        candidates = placement_order([d for d in live if d.type == kind], pinned.id if pinned else None)
+        attempt = new_attempt()
+        slot_keys = [k for d in candidates for k in (keys.device_slot(d.id), keys.device_alive(d.id))]
+        names = [v for d in candidates for v in (d.id, d.worker)]
+        result = self._reserve(
+            keys=[keys.job(job_id), keys.gang(job_id), keys.GANGS_WAITING, keys.GANGS_RESERVED, *slot_keys],
+            args=[entry, token, attempt, world_size, least, self.reservation_s, job_id, "1" if pinned else "0",
+                  GANG_RECORD_TTL_S, self.hold_s if hold else 0, *names])
+        if result[0] < 0:
+            return "skipped"
+        if result[0] == 0:
+            return "waits"
+        self._send_ranks(job_id, token, attempt, [candidates[i - 1] for i in result[1:]])
+        return "placed"
+
+    def _send_ranks(self, job_id: str, token: str, attempt: str, members: list[Device]) -> None:
+        log.info("job %s: reserved %s for its gang (attempt %s)", job_id, ", ".join(d.id for d in members), attempt)
+        for rank, device in enumerate(members):
+            try:
+                self.dispatch(TrainDelivery(job_id, token, queue_for_device(device.id), seat=Seat(rank, attempt).encode()))
+            except Exception as exc:  # the reservation lapses and the job waits again
+                log.warning("job %s: sending rank %d to %s failed (%s); its reservation will lapse", job_id, rank,
+                            device.id, exc)
+
+    def _undo_lapsed(self, now: float) -> None:
+        for job_id in self.redis.zrangebyscore(keys.GANGS_RESERVED, "-inf", now, start=0, num=WAITING_BATCH):
+            raw = self.redis.hgetall(keys.gang(job_id))
+            gang = parse_gang(raw) if raw else None
+            slots = [keys.device_slot(m.device) for m in gang.members] if gang else []
+            if self._lapse(keys=[keys.gang(job_id), keys.GANGS_RESERVED, keys.GANGS_WAITING, keys.job(job_id), *slots],
+                           args=[job_id, gang.attempt if gang else ""]):
+                log.warning("job %s: its gang's reservation lapsed before rank 0 started it; it waits again", job_id)
