@@ -215,7 +215,6 @@ class GangPlacement:
     def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
         self.rank, self.world_size, self.device = rank, world_size, device
         self.leader = rank == 0
-        self.batch_norm_over_gang = True
         self._global = 0  # the images of the step being sharded
 
     def wrap(self, model: nn.Module) -> nn.Module:

@@ -27,7 +27,6 @@ class Placement(Protocol):
     """Where the trainer's computation runs (see the module docstring)."""
 
     leader: bool  # writes the checkpoints (and, through the reporter, the job's state)
-    batch_norm_over_gang: bool  # BatchNorm normalises over every rank's images, not this process's alone
 
     def wrap(self, model: nn.Module) -> nn.Module: ...
     def shard(self, index: torch.Tensor) -> torch.Tensor: ...
@@ -43,7 +42,6 @@ class OneDevice:
     """A job on one device: every image of every batch, nothing to reduce."""
 
     leader = True
-    batch_norm_over_gang = False
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -84,7 +82,12 @@ def micro_batches(total: int, size: int) -> Iterator[tuple[int, int]]:
 
 class StepRunner:
     def __init__(self, device: torch.device, placement: Placement, *, augment: bool, channels_last: bool,
-                 autocast: Callable[[], contextlib.AbstractContextManager]) -> None:
+                 autocast: Callable[[], contextlib.AbstractContextManager], one_image_split: bool = False) -> None:
+        """`one_image_split`: the whole train split is one image (the trainer merges a last batch of one
+        into the batch before, so no other step holds one): BatchNorm cannot normalise a batch of one
+        in training mode, so that image goes through twice (the same mean loss and gradient), after its
+        augmentation, and counts once."""
+        self.one_image_split = one_image_split
         self.device = device
         self.placement = placement
         self.augment = augment
@@ -115,15 +118,12 @@ class StepRunner:
         correct = torch.zeros((), device=self.device, dtype=torch.int64)
         total = len(y)
         scaled = scaler.is_enabled()
-        # A train split of one image on one device: BatchNorm cannot normalise a batch of one, so the
-        # image goes through twice (the same mean loss and gradient), and counts once.
-        alone = total == 1 and not self.placement.batch_norm_over_gang
         for begin, end in micro_batches(total, micro):
             xb, yb = x[begin:end], y[begin:end]
-            if alone:
-                xb, yb = xb.repeat(2, 1, 1, 1), yb.repeat(2)
             if self.augment:
                 xb = self.placement.augment(xb, aug_gen)
+            if self.one_image_split and end - begin == 1:
+                xb, yb = xb.repeat(2, 1, 1, 1), yb.repeat(2)
             xb = normalize(xb, mean, std)
             if self.channels_last:
                 xb = xb.contiguous(memory_format=torch.channels_last)

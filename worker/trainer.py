@@ -204,7 +204,7 @@ class Trainer:
         if start_epoch > 1:
             self.reporter.resumed(start_epoch - 1)
         steps_runner = StepRunner(device, self.placement, augment=plan.augment, channels_last=plan.channels_last,
-                                  autocast=self._autocast)
+                                  autocast=self._autocast, one_image_split=n == 1)
         train_model = self.placement.wrap(model)  # a gang's rank: DistributedDataParallel
 
         last_measured: Measured | None = None
