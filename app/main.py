@@ -96,7 +96,8 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
         app.state.services.predictions.on_orphaned = app.state.metrics.predict_orphaned.inc
         cleanup = asyncio.create_task(_cleanup_forever(app.state.services.retention, settings.cleanup_interval_s))
         # What is loaded by now lives as long as the process: keep it out of the collector's full
-        # passes, which otherwise scan it all and stalled every request in flight ~200 ms each time.
+        # passes, which otherwise scan it all and stall every request in flight for the length of a
+        # pass each time (the tail latency it cost: docs/benchmarks.md, "Prediction").
         gc.freeze()
         try:
             yield

@@ -1,10 +1,10 @@
 """How the API process serves: uvicorn's options, the connection guard, and the safe default.
 
-What uvicorn (0.54, httptools) leaves open, measured here against a bare uvicorn app:
+What uvicorn (0.54, httptools) leaves open, as tried against a bare uvicorn app:
 - no time limit on a request's head: `timeout_keep_alive` runs only between requests and any byte
   resets it, so a client that connects and trickles a header line (slowloris) holds a connection
   for ever (uvicorn issue #157: `--timeout-request-start` was never implemented);
-- no limit on the head's size with httptools: 200 MiB of header lines grew the process by 200 MiB
+- no limit on the head's size with httptools: header lines grow the process by as much as is sent
   (h11's `h11_max_incomplete_event_size` does not apply to httptools);
 - `limit_concurrency` answers its 503 as text/plain, after the head has been read.
 `GuardedHttpProtocol` adds, per connection: the head must be complete within `header_timeout_s`
@@ -13,8 +13,9 @@ closed); at most `max_connections` open connections per process and `max_connect
 per client address (503 with a JSON `detail`, then closed). The body's own deadline and cap are
 the front gate's (app/api/front.py), which sees the route.
 
-Several processes on one port (`serve`, TORCHYARD_API_WORKERS > 1): one uvicorn process spends
-~0.45 ms of CPU per /predict, so ~2,000 requests/s per host whatever the GPUs. uvicorn's own
+Several processes on one port (`serve`, TORCHYARD_API_WORKERS > 1): a /predict costs one uvicorn
+process enough CPU that a single process, on one core, serves far fewer requests than a GPU
+classifies images (docs/benchmarks.md has the CPU per request). uvicorn's own
 supervisor (`uvicorn.supervisors.Multiprocess`, subclassed as `ApiProcesses`) binds the socket
 once and spawns N children that accept on it; it restarts a child that dies or stops answering
 its pings, and on SIGTERM/SIGINT stops them all (each drains for `timeout_graceful_shutdown`)

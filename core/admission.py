@@ -48,11 +48,13 @@ GiB = 1024**3
 # Measured (scripts/measure_job_memory.py, CPU, torch 2.14.1; figures in docs/security.md).
 RUNTIME_BYTES = 600 * 1024**2  # a worker process with torch, Celery and the inference thread, idle
 CUDA_RUNTIME_BYTES = 1 * GiB  # CUDA context, cuDNN/cuBLAS workspaces (not measured here: no GPU)
-ACTIVATION_FACTOR = 1.5  # peak of forward + backward over what autograd saves: 0.9 to 1.3 measured
-EVAL_FACTOR = 0.6  # peak of an inference_mode pass over what autograd would save: 0.23 to 0.6 measured
+# Each factor below is set at or above the highest ratio the calibration found (docs/benchmarks.md,
+# "Figures that were quoted in code comments"), so the estimate errs on the side of refusing.
+ACTIVATION_FACTOR = 1.5  # peak of forward + backward over what autograd saves
+EVAL_FACTOR = 0.6  # peak of an inference_mode pass over what autograd would save
 INPUT_COPIES = 4  # float32 copies of a batch: normalize (2), augment (pad + crop), channels_last
-STATS_BYTES_PER_VALUE = 9  # channel_stats: a float64 copy; 8.0 bytes per value measured
-JOB_OVERHEAD_BYTES = 64 * 1024**2  # the first step's one-off allocations (autograd, oneDNN): ~50 MiB measured
+STATS_BYTES_PER_VALUE = 9  # channel_stats: a float64 copy (8 bytes a value) and its temporaries
+JOB_OVERHEAD_BYTES = 64 * 1024**2  # the first step's one-off allocations (autograd, oneDNN)
 STATS_SAMPLE = 20_000
 FAKE_PREP_BYTES_PER_VALUE = 13  # fake_images: three float32 N×E temporaries, then the uint8 result
 OPTIMIZER_STATE_BYTES = {"sgd": 4, "adam": 8, "adamw": 8}

@@ -13,13 +13,14 @@ import redis
 from pydantic import BaseModel
 
 from core import keys
-from core.archives import ArchiveLimits, extract_image_folder, extract_images
+from core.archives import extract_image_folder, extract_images
 from core.clock import utc_now_iso
 from core.config import Settings
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import JobStore
 from core.schemas import Job
 from core.storage import validate_id
+from core.zip_safety import ArchiveLimits
 
 # The synthetic `fake` dataset: what it is here, how it is drawn in worker/data.py.
 FAKE_CLASSES = [f"pattern_{k}" for k in range(10)]

@@ -21,7 +21,7 @@ Layout::
     ty:device:<id>:alive             string the owning worker instance; TTL = liveness and lock
     ty:devices                       set    every device id ever registered
     ty:predict:<device id>           list   prediction requests for that device's worker
-    ty:reply:<token>                 list   one prediction's reply (short TTL)
+    ty:reply:<token>                 list   an API process's /predict reply inbox, or a warm-up's one-off reply (TTL)
     ty:dataset:<id>                  string an uploaded dataset's record (JSON)
     ty:datasets                      set    uploaded dataset ids
     ty:aliases                       hash   alias name -> the job it points at (core/aliases.py)

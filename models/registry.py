@@ -1,11 +1,11 @@
 """Architectures by name, each with the input it expects. The one place a model name resolves.
 
 Importing this module imports neither torch nor torchvision: the API validates model names,
-sizes jobs and lists `GET /models` from it, and its processes stay light (an API process that
-imported torch and torchvision took 6.6 s to import here and held ~1 GB; without them it answers
-/healthz 1.2 s after it starts and holds 76 MB). A network is built, and torch imported, only by
-`build_model`, in the worker; torchvision loads at the first torchvision network or dataset a
-worker uses (~2 s once per process), not when it starts. What the API needs of a network without
+sizes jobs and lists `GET /models` from it, and its processes stay light (importing torch and
+torchvision takes an API process several times longer to start and an order of magnitude more
+memory; the figures: docs/benchmarks.md, "Figures that were quoted in code comments"). A network
+is built, and torch imported, only by `build_model`, in the worker; torchvision loads at the first
+torchvision network or dataset a worker uses (once per process), not when it starts. What the API needs of a network without
 building it (its parameter count, the activations it saves per image, its pretrained weights' file
 and preprocessing) is written here, as torchvision writes `num_params` in its weights' metadata,
 and tests/models/test_registry.py checks each figure against the built network, a meta-device
@@ -155,7 +155,8 @@ def head_module(model: nn.Module, architecture: str) -> nn.Module:
 def trace_activation_bytes(name: str, height: int, width: int) -> float:
     """What autograd saves per image in a training forward of `name` at height×width, traced on the
     meta device (shapes only: no memory, no data), at two batch sizes so the weights autograd also
-    saves cancel out. ~0.1 to 0.5 s of CPU. The source of ModelSpec.activation_bytes."""
+    saves cancel out. Too slow to run per request (a full trace of the network), so the figures are
+    written out in ModelSpec.activation_bytes, whose source this is."""
     import torch
 
     spec = get_model_spec(name)

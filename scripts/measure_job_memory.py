@@ -112,8 +112,9 @@ print(json.dumps({"baseline": base, "peak": peak_rss()}))
 """
 
 
-REPEATS = 2  # the same phase peaks differently from run to run (seen: 15 or 143 MiB for one catdog_net
-             # step), from the allocators' choices: the larger one is what a host must hold
+# The same phase peaks differently from run to run, from the allocators' choices (docs/security.md,
+# "Job admission", has an example): the larger one is what a host must hold.
+REPEATS = 2
 
 
 def run(phase: str, args: list) -> dict:

@@ -5,33 +5,32 @@ parallel op a team of its own, which stays alive, idle, as long as that thread d
 process holds more OpenMP threads than the machine has cores, libgomp "throttles": its threads
 spin at most 1,000 iterations between parallel regions (libgomp's do_spin, when
 gomp_managed_threads > gomp_available_cpus) and then sleep and wake through futexes, at every op.
-Measured on this 2-core host, resnet18 at batch 1 from a second thread: 5.9-7.0 ms on two threads
-while no other thread had a team, 9.4-10.5 ms once the main thread had one, 7.5-8.3 ms on one
-thread. So a worker keeps one team at a time:
+A second team makes a two-thread forward slower than the same forward on one thread (the
+figures: docs/benchmarks.md, "Figures that were quoted in code comments"). So a worker keeps one
+team at a time:
 
 - While a job runs, its thread has the cores, and the /predict forward of a CPU device runs on one
   thread (no team). The job runs in a thread of its own (`run_in_own_thread`), so its team ends
   with it instead of living on, idle, in Celery's main thread.
 - While no job runs, the CPU device thread's forward of a heavy model has all the cores (or
-  `predict_cpu_threads`), a light model's one (`ForwardThreads`, worker/inference.py). A team
+  `predict_cpu_threads`), a light model's one (`ForwardThreads`, worker/serving/device_loop.py). A team
   cannot be shrunk, so when a job starts the device thread hands over to a fresh one-thread
   device thread (`ForwardThreads.must_hand_over`) and the job waits for that
   (`InferenceServer.release_cores`).
 - Every other thread that touches torch (intake, decode pool) is pinned to one thread
   (`pin_to_one_thread`).
 
-Why not all the cores for every model, measured on this 2-core host where the API, Redis and the
-load client share the cores with the worker: with one team the forward's second thread is no
-longer throttled, so it spins between ops and after the forward as libgomp means it to, and
-takes the core the API and Redis need. For a forward of a fraction of a millisecond (cifar_net)
-that spinning is most of what the second thread does: one client 2.1-3.8 ms on one thread
-against 3.2-4.4 on two, 32 clients 1,594-1,779 against 1,233-1,482 images/s. For resnet18 the
-split pays once the forward holds no GIL (worker/forward_graph.py; before, an eager forward
-waited for the decoding threads at every operator, and two threads lost there too): one client
-8.4-11.9 against 11.7-13.2 ms, 32 clients 645-841 against 590-592 images/s. Hence the rule in
-`ForwardThreads`; TORCHYARD_PREDICT_CPU_THREADS sets one count for every model instead. One team
-at a time is what keeps either from throttling the jobs. (Before the pinning, the intake thread's
-model load made a second team in every worker.)
+Why not all the cores for every model, where the API, Redis and the load client share the cores
+with the worker: with one team the forward's second thread is no longer throttled, so it spins
+between ops and after the forward as libgomp means it to, and takes the core the API and Redis
+need. For a short forward (cifar_net's) that spinning is most of what the second thread does, and
+a light model is slower on two threads than on one, in latency and in throughput. For a long one
+(resnet18's) the split pays, once the forward holds no GIL (worker/forward_graph.py; before, an
+eager forward waited for the decoding threads at every operator, and two threads lost there too).
+Hence the rule in `ForwardThreads`; TORCHYARD_PREDICT_CPU_THREADS sets one count for every model
+instead. One team at a time is what keeps either from throttling the jobs. (Before the pinning,
+the intake thread's model load made a second team in every worker.) The figures behind each
+sentence: docs/benchmarks.md, "Figures that were quoted in code comments".
 """
 
 from __future__ import annotations
@@ -64,7 +63,9 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-HEAVY_FORWARD_S = 0.004  # a one-image forward on one thread at least this long is split over the cores
+# A one-image forward on one thread at least this long is split over the cores: well above a light
+# model's (cifar_net's) and well below a heavy one's (resnet18's), so neither sits near the line.
+HEAVY_FORWARD_S = 0.004
 
 
 class ForwardThreads:
@@ -72,10 +73,10 @@ class ForwardThreads:
 
     While a job runs on the worker: one, always (the job has the cores). Otherwise, unless the
     operator set a count for every model (TORCHYARD_PREDICT_CPU_THREADS), it depends on the model:
-    one whose one-image forward takes HEAVY_FORWARD_S or more on one thread (resnet18 at 32×32:
-    ~9 ms) runs on all the cores, a lighter one (cifar_net: ~0.2 ms) on one: an OpenMP team costs
-    a wake-up per operator and spins on the other cores after the forward, which a long forward
-    repays and a short one does not (measured: the module's docstring).
+    one whose one-image forward takes HEAVY_FORWARD_S or more on one thread (resnet18) runs on all
+    the cores, a lighter one (cifar_net) on one: an OpenMP team costs a wake-up per operator and
+    spins on the other cores after the forward, which a long forward repays and a short one does
+    not (the module's docstring).
 
     A thread that has run with more than one thread holds a team for good, so going down to one
     while a job runs means handing over to a fresh thread (a light model's forward on one thread

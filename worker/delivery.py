@@ -9,7 +9,7 @@ after `finish` recorded that this delivery ended the job.
 
 A Redis outage pauses the job instead of failing it: each call is retried with backoff, the
 model, optimizer and data stay in memory, and the step that needed Redis goes on when it is back
-(a restart of the embedded Redis takes about a second; 60 s outages are tested). Only a worker
+(a restart of the embedded Redis is over within the first few tries; 60 s outages are tested). Only a worker
 that is shutting down stops waiting: its lease lapses and another worker resumes the job.
 """
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# Seconds between tries while Redis is away: quick first (a restart takes ~1 s), then every 2 s.
+# Seconds between tries while Redis is away: quick first (a restart is short), then every 2 s.
 OUTAGE_BACKOFF_S = (0.1, 0.2, 0.5, 1.0, 2.0)
 
 

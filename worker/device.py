@@ -77,19 +77,14 @@ def openmp_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
     After a forward on all the cores, the team's other threads spin for libgomp's default before
     sleeping, and on a CPU device the cores they spin on are the ones the replies, Redis and the
-    API need next. Measured on this 2-core host (resnet18, 32 clients, two runs of each setting,
-    alternating): 1,245 to 1,406 images/s and 976 to 1,063 µs of worker CPU per image by default,
-    1,518 to 1,573 and 731 to 763 µs with GOMP_SPINCOUNT=30000 or 3000, whose replies reached
-    Redis in 0.6 to 0.9 ms instead of 1.4 to 1.7. Training, whose team waits only in the gaps
-    between operators, did not move beyond this host's noise: the 2-thread tight loop of
-    bench/train.py, best epoch of each run, cifar_net 11,062 to 18,102 images/s by default (four
-    runs) against 13,206 to 15,568 capped, resnet18 1,165 and 1,196 against 1,144 and 1,170.
-    (PASSIVE, which sleeps at once, costs training about a third: docs/benchmarks.md.) It costs a
-    `predict` job on a CPU device some of its speed, whose two forward threads share the cores
-    with the decode process (likely: a thread the decoder preempts keeps the other waiting past
-    the capped spin, and it sleeps): resnet18's handler,
-    eight jobs each, alternating, 2,297 to 2,518 images/s capped against 2,412 to 2,707 (about
-    7 %); cifar_net's forward there runs on one thread, with no team."""
+    API need next: with the spin capped, a heavy model's /predict serves more images per second
+    for less worker CPU per image, and its replies reach Redis sooner. Training, whose team waits
+    only in the gaps between operators, does not notice the cap. (PASSIVE, which sleeps at once,
+    costs training about a third.) It costs a `predict` job on a CPU device a little of its speed
+    where its two forward threads share the cores with the decode process (likely: a thread the
+    decoder preempts keeps the other waiting past the capped spin, and it sleeps); cifar_net's
+    forward there runs on one thread, with no team. The figures of each: docs/benchmarks.md
+    ("Prediction", "Batch prediction jobs" and "Figures that were quoted in code comments")."""
     if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
         return {}
     return {"GOMP_SPINCOUNT": SPIN_COUNT}

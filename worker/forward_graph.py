@@ -4,21 +4,14 @@ A worker serves /predict from three kinds of threads in one process: the intake 
 pool decode images in Python (PIL holds the GIL for most of a small image's decode) while the
 device thread runs the forward. An eager forward takes the GIL back after every operator (a few
 dozen per forward), and each time a decoding thread holds it the device thread waits, up to the
-interpreter's switch interval (5 ms). Measured on this 2-core host by bench/forward_gil.py (one
-thread running the forward in a loop, one torch thread, beside one thread decoding 32×32 PNGs;
-docs/benchmarks.md), in images/s of the forward beside the decoder:
-
-| forward | eager | traced |
-|---|---:|---:|
-| cifar_net, batch 32 | 1.8–3.9k | 5.0–11.2k (10–13.5k alone) |
-| resnet18, batch 32 | 530–610 | 875–1,050 (930–1,100 alone) |
-| cifar_net, batch 1 | 210–300 | 1.0–2.0k (4.5–4.9k alone) |
-
-(two runs of two rounds) and the decoder's own CPU per image rose from 32 µs alone to 35–47 µs
-beside the eager forward (GIL hand-offs), 29–51 µs beside the traced one. A traced graph is
-entered once per batch and releases the GIL for the whole of it, so "decode in parallel, never on the thread that feeds the
-device" holds on a CPU as on a GPU, where it also spares the feeding thread the Python between
-kernel launches.
+interpreter's switch interval (`sys.getswitchinterval()`). Beside one decoding thread an eager
+forward runs at a fraction of its speed alone, the shorter the forward the smaller the fraction,
+while a traced one keeps most of it; the decoder pays GIL hand-offs beside the eager one too
+(bench/forward_gil.py measures both; the figures: docs/benchmarks.md, "The forward beside
+decoding threads" and "Figures that were quoted in code comments"). A traced graph is entered
+once per batch and releases the GIL for the whole of it, so "decode in parallel, never on the
+thread that feeds the device" holds on a CPU as on a GPU, where it also spares the feeding thread
+the Python between kernel launches.
 
 `ServingForward` is uint8 N×C×H×W on the device → class probabilities (float32): the scaling by
 1/255, the checkpoint's normalisation (`ClassifierWithPreprocessing`, the module the export job
@@ -34,9 +27,10 @@ value read off a tensor, such as a branch on the input, became a constant: the w
 thread raised while tracing, caught by worker/thread_warnings.py, never by the process-global
 filters, which another thread's trace or export could be changing at that moment), or whose
 probabilities differ from the eager module's on a probe batch of another size by more than
-GRAPH_TOLERANCE is not used: the eager module serves, and the worker logs why. Callers run the graph inside `torch.jit.optimized_execution(False)`: the profiling executor
-would otherwise re-specialise it at every new batch size (a 48 ms first call measured for
-resnet18) and its fusers may change the numbers.
+GRAPH_TOLERANCE is not used: the eager module serves, and the worker logs why. Callers run the
+graph inside `torch.jit.optimized_execution(False)`: the profiling executor would otherwise
+re-specialise it at every new batch size (a slow first call at each new size, many forwards'
+worth for resnet18) and its fusers may change the numbers.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ bearer_scheme = HTTPBearer(auto_error=False, description="TORCHYARD_API_KEY, whe
 
 
 # `async def` though it never awaits: FastAPI runs a plain `def` dependency in its thread pool, a
-# thread hop per request that cost ~15% of the API's CPU on /predict.
+# thread hop per request, a sizeable share of what /predict costs the API in CPU.
 async def get_services(request: Request) -> Services:
     return request.app.state.services
 

@@ -4,8 +4,8 @@ Before this, each request BLPOPped a reply list of its own: a second Redis call 
 each holding a pooled connection while it waited (32 concurrent requests, 32 connections). Now a
 request registers a future under a fresh id and the worker RPUSHes the answers of a whole batch
 to this process's inbox in one call; the listener pops them in bulk (BLPOP and an LPOP of up to
-`DRAIN` more, in one pipeline: 1.81 → 1.73 million instructions per prediction at one client,
-bench/api_instructions.py) and resolves the futures.
+`DRAIN` more, in one pipeline, fewer instructions per prediction even at one client:
+bench/api_instructions.py, docs/benchmarks.md) and resolves the futures.
 
 A request's wait is bounded by a timer of the loop's that fails its future with TimeoutError
 (cancelled once the answer is in), rather than `asyncio.wait_for`, which builds a second future

@@ -1,5 +1,7 @@
-"""Tests for core.archives: hostile zips are refused before anything is written,
-and a good ImageFolder zip lands atomically at dest with broken images skipped."""
+"""Tests for an upload's extraction, through its entry points (core.archives): hostile zips are
+refused before anything is written (core.zip_safety), files land where their layout puts them or
+are skipped with a reason (core.dataset_layout), and a good zip lands atomically at dest with
+broken images skipped (core.archives)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from core.archives import ArchiveLimits, ExtractedDataset, SkippedFile, extract_image_folder, extract_images
+from core.archives import ExtractedDataset, extract_image_folder, extract_images
+from core.dataset_layout import SkippedFile
 from core.errors import InvalidInput, TooLarge, UnsupportedMedia
+from core.zip_safety import ArchiveLimits
 
 LIMITS = ArchiveLimits(
     max_entries=50,

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from PIL import EpsImagePlugin, Image
 
-from core.archives import ArchiveLimits, extract_image_folder
+from core.archives import extract_image_folder
 from core.images import IMAGE_FORMATS, refused_format
+from core.zip_safety import ArchiveLimits
 from tests.support import REPO
 from worker.data import load_image_folder
 

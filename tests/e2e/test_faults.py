@@ -271,9 +271,10 @@ def _train(cluster: dict, epochs: int) -> str:
 
 
 def _train_long(cluster: dict, epochs: int) -> str:
-    """A job for a fault to land in: the built-in `fake` set (2,560 images), ~0.5 s an epoch on the
-    fastest host seen here (the upload's 72 images trained 6 epochs in 0.1 s there, before the test
-    could see the job running). Training speed here moved by 4x within one day."""
+    """A job for a fault to land in: the built-in `fake` set (2,560 images), whose epochs last long
+    enough on the fastest host seen (the upload's 72 images trained all its epochs there before the
+    test could see the job running), on hosts whose training speed moves severalfold within a day
+    (docs/benchmarks.md has the figures)."""
     return _submit(cluster["client"], epochs, batch_size=8)
 
 

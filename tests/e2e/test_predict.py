@@ -4,7 +4,7 @@ resident-model LRU evicts and reloads, concurrent requests form batches, a train
 answers, bad input never harms the worker, and a dead worker is a bounded 503.
 
 The worker runs with TORCHYARD_MODEL_CACHE_COUNT=1 so two jobs force evictions, and with a
-50 ms batching window so that a burst from a Python client (a few ms per request) still batches."""
+50 ms batching window so that a burst from a Python client (its requests milliseconds apart) still batches."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ def two_apis(clean_redis_url: str, tmp_path: Path) -> Iterator[dict]:
                       TORCHYARD_KEEP_FAILED_JOBS_DAYS=str(9 / DAY_S), TORCHYARD_KEEP_JOB_EVENTS_DAYS=str(1 / DAY_S),
                       TORCHYARD_KEEP_UNUSED_DATASETS_DAYS=str(1 / DAY_S))
     ports = [free_port(), free_port()]
-    for port in ports:  # both start at once: each takes ~half a minute on a loaded 2-core host
+    for port in ports:  # both start at once: starting one is slow on a loaded host
         procs.api(port)
     first, second = (f"http://127.0.0.1:{port}" for port in ports)
     for base in (first, second):

@@ -111,8 +111,9 @@ def test_up_guards_its_data_dir_restarts_redis_and_a_broken_worker(tmp_path) -> 
         uploaded = client.post("/datasets", data={"name": "shapes"},
                                files={"file": ("s.zip", shapes_zip(per_class=24, corrupt=None), "application/zip")})
         assert uploaded.status_code == 201, uploaded.text
-        # On the built-in `fake` set (2,560 images, ~0.5 s an epoch on the fastest host seen here): the
-        # upload's 72 images trained an epoch in 12 to 26 ms there, leaving the fault ~50 ms to land in.
+        # On the built-in `fake` set (2,560 images): an epoch is long enough for the fault to land
+        # inside it even on the fastest host seen, where the upload's 72 images trained an epoch in
+        # less time than the fault took to land (docs/benchmarks.md has the epochs).
         epochs = 8
         job_id = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": epochs,
                                             "batch_size": 8, "patience": 0}).json()["id"]

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.archives import ArchiveLimits, extract_image_folder
+from core.archives import extract_image_folder
+from core.zip_safety import ArchiveLimits
 from tests.datagen import CIFAR_CLASSES, SHAPE_CLASSES, shapes_zip, write_cifar10, write_mnist
 from worker.data import DatasetUnavailable, load_fake, load_image_folder, load_torchvision, split
 

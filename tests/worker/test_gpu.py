@@ -1,7 +1,7 @@
 """What only a GPU runs, on a GPU (`pytest -m gpu`; skipped where torch sees no CUDA, as on CI):
 the fp16 GradScaler's state across a resume, the serving graph traced (not fallen back to eager)
-on CUDA, and the pinned staging buffers whose CUDA events guard a buffer while its copy is in
-flight, alone and in a training run. Every CUDA call here is listed in docs/gpu.md with what it
+on CUDA, and the pinned staging ring (worker/pinned_ring.py) whose CUDA events guard a buffer
+while its copy is in flight: training's, alone and in a training run, and serving's. Every CUDA call here is listed in docs/gpu.md with what it
 does; the CPU twins of the same code run in the default suite."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,6 +22,7 @@ from tests.worker.test_trainer import Reporter, small_fake
 from worker.checkpoint import load_payload
 from worker.forward_graph import GRAPH_TOLERANCE, ServingForward, build_forward
 from worker.job_context import StopJob
+from worker.serving.batching import HostStaging
 from worker.staging import StagedBatches
 from worker.trainer import Trainer, plan_training
 
@@ -102,17 +104,37 @@ def test_pinned_staging_buffers_are_not_overwritten_while_their_copy_is_in_fligh
     images = torch.randint(0, 256, (96, 3, 32, 32), dtype=torch.uint8)
     labels = torch.arange(96)
     staged = StagedBatches(images, labels, CUDA, capacity=16, buffers=2)
-    assert staged.pinned
+    assert staged.ring.behind
     assert all(image.is_pinned() and label.is_pinned() for image, label in staged.buffers)
     taken = []
     for _ in range(6):
         torch.cuda._sleep(20_000_000)  # some milliseconds of GPU spin, queued before the copy
         index = torch.randperm(96)[:16]
         taken.append((index, *staged.take(index)))
-        assert isinstance(staged._copied[staged.slot], torch.cuda.Event)
+        assert isinstance(staged.ring.copied[staged.slot], torch.cuda.Event)
     torch.cuda.synchronize()
     for index, x, y in taken:
         assert x.device.type == "cuda" and torch.equal(x.cpu(), images[index]) and torch.equal(y.cpu(), labels[index])
+
+
+def test_serving_staging_uses_the_same_guarded_ring_on_a_gpu() -> None:
+    """/predict's HostStaging through the same ring: two pinned buffers per shape, six batches, the
+    stream kept busy before each copy as above; every batch reaches the GPU as it was stacked, its
+    padded rows zero, though its buffer was written again two batches later."""
+    staging = HostStaging(CUDA, capacity=8)
+    sent = []
+    for k in range(6):
+        torch.cuda._sleep(20_000_000)
+        arrays = [np.full((3, 4, 4), 10 * k + i, dtype=np.uint8) for i in range(1 + k % 3)]
+        sent.append((arrays, staging.upload(arrays, rows=4)))
+        ring = staging.rings[(3, 4, 4)]
+        assert ring.behind and isinstance(ring.copied[ring.slot], torch.cuda.Event)
+    assert all(buffer.is_pinned() for buffer in staging.rings[(3, 4, 4)].slots)
+    torch.cuda.synchronize()
+    for arrays, batch in sent:
+        expected = torch.zeros((4, 3, 4, 4), dtype=torch.uint8)
+        expected[:len(arrays)] = torch.from_numpy(np.stack(arrays))
+        assert batch.device.type == "cuda" and torch.equal(batch.cpu(), expected)
 
 
 def test_a_job_trains_through_the_pinned_staging_buffers(tmp_path: Path) -> None:

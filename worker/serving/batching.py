@@ -114,10 +114,9 @@ class HostStaging:
     the copy is a real copy, so a later batch never overwrites a tensor still in use.
     """
 
-    def __init__(self, device: torch.device, capacity: int, pinned: bool, buffers: int = STAGING_BUFFERS) -> None:
+    def __init__(self, device: torch.device, capacity: int, buffers: int = STAGING_BUFFERS) -> None:
         self.device = device
         self.capacity = capacity
-        self.pinned = pinned
         self.count = buffers
         self.rings: dict[tuple[int, ...], PinnedRing[torch.Tensor]] = {}  # by image shape (C, H, W)
 
@@ -131,13 +130,13 @@ class HostStaging:
         if ring is None:
             ring = self.rings[shape] = PinnedRing(
                 lambda pinned: torch.empty((self.capacity, *shape), dtype=torch.uint8, pin_memory=pinned),
-                self.pinned, self.count)
+                self.device, self.count)
         buffer = ring.next()
         host = buffer.numpy()
         for row, array in enumerate(arrays):
             host[row] = array
         if rows > len(arrays):
             host[len(arrays):rows] = 0
-        batch = buffer[:rows].to(self.device, non_blocking=self.pinned, copy=True)
+        batch = ring.to_device(buffer[:rows])
         ring.copies_issued()
         return batch

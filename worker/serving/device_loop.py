@@ -130,8 +130,7 @@ class DeviceLoop:
 
     def _serve(self) -> None:
         if self._staging is None:
-            self._staging = HostStaging(torch.device(self.device.torch_device), self.max_batch,
-                                        pinned=self.device.kind == "cuda")
+            self._staging = HostStaging(torch.device(self.device.torch_device), self.max_batch)
         self._threads = self._most_threads = 0
         while not self.halt.is_set():
             if self.device.kind == "cpu" and self._leave_cores_if_a_job_runs():

@@ -74,7 +74,7 @@ def test_batch_sizes_are_bucketed_to_powers_of_two_up_to_max_batch(n: int, bucke
 
 
 def test_staging_pads_rotates_and_never_hands_out_its_own_buffer() -> None:
-    staging = HostStaging(torch.device("cpu"), capacity=8, pinned=False)
+    staging = HostStaging(torch.device("cpu"), capacity=8)
     arrays = [np.full((3, 4, 4), i, dtype=np.uint8) for i in range(1, 4)]
     first = staging.upload(arrays, rows=4)
     assert first.shape == (4, 3, 4, 4) and first.dtype == torch.uint8

@@ -72,9 +72,9 @@ def test_gif_uses_the_first_frame_and_grayscale_models_get_one_channel() -> None
 
 
 def test_a_png_whose_header_fits_but_whose_data_is_broken_is_a_415() -> None:
-    """Why PNGs are not decoded by libpng through torchvision.io.decode_png, though it takes half of
-    PIL's CPU for a 32×32 PNG (16 against 30 µs): torchvision 0.29.1 segfaults on this very file,
-    a worker killed by one upload."""
+    """Why PNGs are not decoded by libpng through torchvision.io.decode_png, though it takes about
+    half of PIL's CPU for a small PNG (docs/benchmarks.md): torchvision 0.29.1 segfaults on this
+    very file, a worker killed by one upload."""
     data = bytearray(_encode(_rgb(13), "PNG"))
     idat = data.index(b"IDAT")
     data[idat + 8:idat + 40] = bytes(32)  # zlib stream destroyed, header intact
@@ -217,7 +217,7 @@ def test_images_are_decoded_on_one_thread_until_they_cost_enough_for_the_pool() 
 
 def test_large_images_are_decoded_by_the_pool_with_the_same_answers(clean_redis_url: str, tmp_path) -> None:
     """The first batch is decoded on the intake thread and timed; 256×256 JPEGs cost far more than
-    DecodeSplit.POOL_FROM_S each (~1 ms here), so the second is split over the pool, in order."""
+    DecodeSplit.POOL_FROM_S each on any CPU, so the second is split over the pool, in order."""
     client = redis.Redis.from_url(clean_redis_url)
     paths = CheckpointPaths(tmp_path)
     model = _save(paths, "job-a", 8)
