@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from models.registry import build_model
 from worker import init_weights
 from worker.augment import random_crop_flip
 from worker.backoff import BatchBackoff
-from worker.checkpoint import ModelMeta, Preprocessing, load_payload, save_model, save_resume_state
+from worker.checkpoint import ModelMeta, Preprocessing, save_model
 from worker.data import ImageTensors, split
 from worker.evaluation import EVAL_BATCH, Measured, measure
 from worker.init_weights import InitialWeights
@@ -42,7 +42,9 @@ from worker.recipe import (
     grad_scaler,
     make_optimizer,
 )
+from worker.resume import BestEpoch, ResumableRun
 from worker.staging import STAGING_BUFFERS, Batches, ResidentBatches, StagedBatches
+from worker.warmup import batch_bounds, epoch_shapes, micro_batches, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -126,30 +128,6 @@ def plan_training(job_id: str, architecture: str, params: TrainingParams, data: 
     )
 
 
-def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
-    """An epoch's batches: `batch_size` each, the last one shorter; a last batch of a single image
-    joins the one before (BatchNorm cannot normalise a batch of one in training mode)."""
-    bounds = [(begin, min(begin + batch_size, n)) for begin in range(0, n, batch_size)]
-    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
-        bounds[-2:] = [(bounds[-2][0], n)]
-    return bounds
-
-
-def micro_batches(total: int, size: int) -> Iterator[tuple[int, int]]:
-    """`total` images in passes of at most `size`, as even as possible (never a stray pass of one)."""
-    passes = -(-total // max(1, size))
-    per_pass = -(-total // passes)
-    for begin in range(0, total, per_pass):
-        yield begin, min(begin + per_pass, total)
-
-
-@dataclass
-class _Best:
-    epoch: int
-    state_dict: dict[str, torch.Tensor]  # on the CPU
-    measured: Measured
-
-
 class Trainer:
     def __init__(self, plan: TrainingPlan, data: ImageTensors, *, final_path: Path, resume_from: Path | None,
                  resume_to: Callable[[int], Path], reporter: JobReporter, should_stop: Callable[[], str | None],
@@ -157,8 +135,8 @@ class Trainer:
         self.plan = plan
         self.data = data
         self.final_path = final_path
-        # Resume state: read from where the last recorded epoch's was recorded (if any); each
-        # epoch's written to a file of its own, recorded with that epoch's metrics (reporter.epoch).
+        # Resume state (worker/resume.py): read from where the last recorded epoch's was recorded (if
+        # any); each epoch's written to a file of its own, recorded with that epoch's metrics.
         self.resume_from = resume_from
         self.resume_to = resume_to
         self.reporter = reporter
@@ -204,10 +182,22 @@ class Trainer:
         eval_backoff = self._backoff(max(plan.batch_size, EVAL_BATCH), "validation")
         stopper = EarlyStopping(plan.monitor, plan.patience)
         history: list[EpochMetrics] = []
-        resumed = self._resume(model, optimizer, scheduler, scaler, stopper, backoff, history)
-        start_epoch, best, stop_reason = resumed
+        run = ResumableRun(model, optimizer, scheduler, scaler, stopper, backoff, device)
+        start_epoch, best, stop_reason = run.restore(self.resume_from, history) if self.resume_from else (1, None, None)
         if start_epoch > 1:
+            log.info("job %s resumes after epoch %d", plan.job_id, start_epoch - 1)
             self.reporter.resumed(start_epoch - 1)
+
+        def validate(net: nn.Module, batches: Batches) -> Measured | None:
+            return measure(net, batches, len(classes), mean=mean_t, std=std_t, device=device, backoff=eval_backoff,
+                           channels_last=plan.channels_last, autocast=self._autocast, batch_size=eval_backoff.size,
+                           should_stop=self.should_stop)
+
+        if plan.cudnn_benchmark:  # each shape of an epoch tuned before its clock starts (worker/warmup.py)
+            shapes = epoch_shapes((plan.channels, plan.height, plan.width), bounds, len(val), eval_backoff.size)
+            warm_up(model, optimizer, scaler, shapes, validate=validate,
+                    step=lambda net, opt, scl, x, y, gen: self._step(net, opt, scl, loss_fn, x, y, gen, mean_t, std_t,
+                                                                     backoff))
 
         last_measured: Measured | None = None
         epoch = start_epoch - 1
@@ -244,12 +234,10 @@ class Trainer:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - started
-            measured = measure(model, val, len(classes), mean=mean_t, std=std_t, device=device,
-                               channels_last=plan.channels_last, autocast=self._autocast, backoff=eval_backoff,
-                               batch_size=eval_backoff.size, should_stop=self.should_stop)
+            measured = validate(model, val)
             last_measured = measured
             if measured is not None and stopper.update(epoch, Score(measured.accuracy, measured.loss)):
-                best = _Best(epoch, _cpu_copy(model), measured)
+                best = BestEpoch.of(epoch, model, measured)
             if stopper.should_stop and epoch < plan.epochs:
                 stop_reason = stopper.reason()
             final_epoch = epoch == plan.epochs or stop_reason is not None
@@ -262,8 +250,8 @@ class Trainer:
                 learning_rate=step_lr,
             )
             history.append(metrics)
-            resume = self._save_resume(model, optimizer, scheduler, scaler, stopper, backoff, epoch, history, best,
-                                       stop_reason)
+            resume = self.resume_to(epoch)
+            run.save(resume, epoch, history, best, stop_reason)
             self.reporter.epoch(metrics, resume)
             self.reporter.progress(Progress(epoch=epoch, epochs=plan.epochs, step=steps, steps=steps))
             if stop_reason is not None:
@@ -361,59 +349,3 @@ class Trainer:
 
     def _autocast(self) -> Any:
         return autocast(self.device, self.plan.amp_dtype)
-
-    # ------------------------------------------------------------------ resume
-    def _save_resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                     scaler: torch.amp.GradScaler, stopper: EarlyStopping, backoff: BatchBackoff, epoch: int,
-                     history: list[EpochMetrics], best: _Best | None, stop_reason: str | None) -> Path:
-        rng = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        path = self.resume_to(epoch)
-        save_resume_state(path, {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None, "scaler": scaler.state_dict(),
-            "stopper": stopper.state_dict(), "micro_batch": backoff.size, "stop_reason": stop_reason,
-            "best": None if best is None else {"epoch": best.epoch, "state_dict": best.state_dict,
-                                               "loss": best.measured.loss, "accuracy": best.measured.accuracy,
-                                               "num_images": best.measured.num_images,
-                                               "confusion": best.measured.confusion},
-            "epoch": epoch, "rng": rng, "metrics": [m.model_dump() for m in history],
-        })
-        return path
-
-    def _resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                scaler: torch.amp.GradScaler, stopper: EarlyStopping, backoff: BatchBackoff,
-                history: list[EpochMetrics]) -> tuple[int, _Best | None, str | None]:
-        """(the first epoch to run, the best epoch so far, why an earlier delivery stopped early):
-        after the last finished epoch of an earlier delivery, if there was one. A resume.pt written
-        before the recipe existed has no scheduler, scaler or best state: its job ran without them."""
-        if self.resume_from is None:
-            return 1, None, None
-        state = load_payload(self.resume_from, map_location=self.device)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None and state.get("scheduler"):
-            scheduler.load_state_dict(state["scheduler"])
-        if state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        if state.get("stopper"):
-            stopper.load_state_dict(state["stopper"])
-        backoff.size = min(backoff.size, int(state.get("micro_batch") or backoff.size))
-        torch.set_rng_state(state["rng"]["cpu"].cpu())
-        if "cuda" in state["rng"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"].cpu(), self.device)
-        history.extend(EpochMetrics.model_validate(m) for m in state["metrics"])
-        best = None
-        if state.get("best"):
-            saved = state["best"]
-            best = _Best(int(saved["epoch"]), {k: v.cpu() for k, v in saved["state_dict"].items()},
-                         Measured(int(saved["num_images"]), float(saved["loss"]), float(saved["accuracy"]),
-                                  saved["confusion"].cpu()))
-        log.info("job %s resumes after epoch %d", self.plan.job_id, state["epoch"])
-        return int(state["epoch"]) + 1, best, state.get("stop_reason")
-
-
-def _cpu_copy(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-

@@ -26,7 +26,8 @@ from worker.init_weights import InitialWeights
 from worker.job_context import JobFailed, StopJob
 from worker.recipe import EarlyStopping, Score, choose_precision
 from worker.staging import StagedBatches
-from worker.trainer import Trainer, batch_bounds, micro_batches, plan_training
+from worker.trainer import Trainer, plan_training
+from worker.warmup import batch_bounds, micro_batches
 
 
 def trainer(tmp_path: Path, data: ImageTensors, reporter: Reporter, stop=lambda: None, **spec_and_plan) -> Trainer:
