@@ -28,6 +28,7 @@ from worker.augment import random_crop_flip
 from worker.backoff import BatchBackoff
 from worker.checkpoint import ModelMeta, Preprocessing, save_model
 from worker.data import ImageTensors, split
+from worker.device import cpu_flags
 from worker.evaluation import EVAL_BATCH, Measured, measure
 from worker.init_weights import InitialWeights
 from worker.job_context import JobReporter, StopJob
@@ -110,7 +111,7 @@ def plan_training(job_id: str, architecture: str, params: TrainingParams, data: 
     """Add this device's choices to the job's stored params: the fast path, every choice recorded."""
     cuda = device.type == "cuda"
     batch_size = params.batch_size or DEFAULT_BATCH_SIZE[device.type]
-    precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None)
+    precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None, cpu_flags())
     n_train = len(data.labels) - len(split(len(data.labels), params.val_fraction, params.seed)[1])
     steps = len(batch_bounds(n_train, batch_size)) * params.epochs
     on_device = True  # a CPU worker's "device" memory is the host's
@@ -123,7 +124,8 @@ def plan_training(job_id: str, architecture: str, params: TrainingParams, data: 
         val_fraction=params.val_fraction, channels=channels, height=height, width=width, augment=params.augment,
         schedule=schedule_for(params, steps), warmup_fraction=params.warmup_fraction, weight_decay=params.decay,
         label_smoothing=params.label_smoothing, patience=params.patience, monitor=params.monitor, keep=params.keep,
-        device=str(device), amp_dtype=precision.amp_dtype, grad_scaler=precision.grad_scaler, channels_last=cuda,
+        device=str(device), amp_dtype=precision.amp_dtype, grad_scaler=precision.grad_scaler,
+        channels_last=precision.channels_last,
         cudnn_benchmark=cuda, data_on_device=on_device, staging_buffers=0 if on_device else STAGING_BUFFERS,
     )
 
