@@ -190,16 +190,16 @@ class Trainer:
             log.info("job %s resumes after epoch %d", plan.job_id, start_epoch - 1)
             self.reporter.resumed(start_epoch - 1)
 
-        def validate(net: nn.Module, batches: Batches) -> Measured | None:
-            return measure(net, batches, len(classes), mean=mean_t, std=std_t, device=device, backoff=eval_backoff,
+        def validate(net: nn.Module, batches: Batches, back_off: BatchBackoff | None = eval_backoff) -> Measured | None:
+            return measure(net, batches, len(classes), mean=mean_t, std=std_t, device=device, backoff=back_off,
                            channels_last=plan.channels_last, autocast=self._autocast, batch_size=eval_backoff.size,
                            should_stop=self.should_stop)
 
         if plan.cudnn_benchmark:  # each shape of an epoch tuned before its clock starts (worker/warmup.py)
             shapes = epoch_shapes((plan.channels, plan.height, plan.width), bounds, len(val), eval_backoff.size)
-            warm_up(model, optimizer, scaler, shapes, validate=validate,
-                    step=lambda net, opt, scl, x, y, gen: self._step(net, opt, scl, loss_fn, x, y, gen, mean_t, std_t,
-                                                                     backoff))
+            warm_up(model, optimizer, scaler, shapes, validate=lambda net, batches: validate(net, batches, None),
+                    step=lambda net, opt, scl, x, y, gen: self._accumulate(net, opt, scl, loss_fn, x, y, gen, mean_t,
+                                                                           std_t, backoff.size))
 
         last_measured: Measured | None = None
         epoch = start_epoch - 1

@@ -24,12 +24,15 @@ model (`copy.deepcopy`), with a twin optimizer (same class, groups and state), a
 scaler, zero images and labels, and a throwaway augmentation generator, inside
 `torch.random.fork_rng`: the trained model's weights and BatchNorm statistics, its optimizer,
 scaler and scheduler, and every random stream are untouched, so a job ends with bit-identical
-weights with or without it (tests/worker/test_warmup.py checks that on the CPU).
+weights with or without it (tests/worker/test_warmup.py checks that on the CPU). The twin
+needs memory of its own: when it does not fit, the warm-up stops at the out-of-memory error
+(the job's back-off does not shrink for it) and the first epoch tunes what is left.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +41,8 @@ import torch
 from torch import nn
 
 from worker.staging import Batches, ResidentBatches
+
+log = logging.getLogger(__name__)
 
 # (model, optimizer, scaler, images, labels, augmentation generator) → one optimizer step
 Step = Callable[[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler, torch.Tensor, torch.Tensor,
@@ -79,26 +84,37 @@ def epoch_shapes(sample: tuple[int, int, int], bounds: list[tuple[int, int]], n_
 def warm_up(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler, shapes: EpochShapes,
             *, step: Step, validate: Validate) -> None:
     """Run every shape of `shapes` through `step` and `validate` on twins of model and optimizer;
-    returns once the device has finished, so none of it is timed as the first epoch's."""
+    returns once the device has finished, so none of it is timed as the first epoch's. `step` and
+    `validate` must let torch.OutOfMemoryError through (no back-off: the twin's memory is the
+    warm-up's alone, and the job's back-off must not shrink for it); on one the warm-up ends, and
+    the first epoch tunes what is left."""
     device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
+    try:
+        with torch.random.fork_rng(devices=[index] if cuda else [], device_type="cuda"):
+            _run_on_twins(model, optimizer, scaler, shapes, device, step, validate)
+    except torch.OutOfMemoryError as exc:
+        log.warning("no warm-up: the twin did not fit beside the model (%s); the first epoch tunes its shapes",
+                    str(exc)[:200])
+    if cuda:
+        torch.cuda.synchronize(device)
+
+
+def _run_on_twins(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+                       shapes: EpochShapes, device: torch.device, step: Step, validate: Validate) -> None:
     twin = copy.deepcopy(model)
     twin_optimizer = _twin_optimizer(optimizer, model, twin)
     twin_scaler = torch.amp.GradScaler(device.type, enabled=scaler.is_enabled())
-    cuda = device.type == "cuda"
-    index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
-    with torch.random.fork_rng(devices=[index] if cuda else [], device_type="cuda"):
-        generator = torch.Generator(device=device).manual_seed(0)
-        for size in shapes.train_batches:
-            images = torch.zeros((size, *shapes.sample), dtype=torch.uint8, device=device)
-            twin.train()
-            step(twin, twin_optimizer, twin_scaler, images, torch.zeros(size, dtype=torch.int64, device=device),
-                 generator)
-        if shapes.val_batches:
-            n = sum(shapes.val_batches)
-            validate(twin, ResidentBatches(torch.zeros((n, *shapes.sample), dtype=torch.uint8, device=device),
-                                           torch.zeros(n, dtype=torch.int64, device=device), device))
-    if cuda:
-        torch.cuda.synchronize(device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    for size in shapes.train_batches:
+        images = torch.zeros((size, *shapes.sample), dtype=torch.uint8, device=device)
+        twin.train()
+        step(twin, twin_optimizer, twin_scaler, images, torch.zeros(size, dtype=torch.int64, device=device), generator)
+    if shapes.val_batches:
+        n = sum(shapes.val_batches)
+        validate(twin, ResidentBatches(torch.zeros((n, *shapes.sample), dtype=torch.uint8, device=device),
+                                       torch.zeros(n, dtype=torch.int64, device=device), device))
 
 
 def _twin_optimizer(optimizer: torch.optim.Optimizer, model: nn.Module, twin: nn.Module) -> torch.optim.Optimizer:

@@ -3,6 +3,7 @@ input shape an epoch will use, and changes nothing the job computes."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -76,6 +77,20 @@ def test_a_resumed_job_warms_up_without_touching_its_optimizer_state(tmp_path: P
     assert resumed.resumed_from == [1]
     final = [torch.load(tmp_path / run / "model.pt", weights_only=True)["state_dict"] for run in ("plain", "cut")]
     assert all(torch.equal(final[0][key], final[1][key]) for key in final[0])
+
+
+def test_a_warm_up_that_runs_out_of_memory_leaves_the_job_as_it_was(tmp_path: Path, gpu_memory_budget: dict,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """The twin needs memory of its own: an out-of-memory error in the warm-up (raised as the CUDA
+    allocator raises it, once) ends the warm-up, and the job's back-off does not shrink for it."""
+    gpu_memory_budget["transient"] = 1
+    with caplog.at_level(logging.WARNING, logger="worker.warmup"):
+        reporter = run_job(tmp_path, small_fake(200), warm_up=True, model="cifar_net", epochs=1, batch_size=64,
+                           val_fraction=0.2)
+    assert gpu_memory_budget["raised"] == 1
+    assert any("no warm-up: the twin did not fit" in r.getMessage() for r in caplog.records)
+    assert [kind for kind, _, _ in reporter.notices] == []  # no batch_backoff
+    assert load_payload(tmp_path / "resume-1.pt")["micro_batch"] == 64
 
 
 def test_the_warm_up_runs_every_shape_an_epoch_uses_and_only_those(tmp_path: Path) -> None:
