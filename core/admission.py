@@ -26,9 +26,11 @@ The estimate, in bytes, for N images of E = C×H×W values, batch B, P parameter
 
 The constants were measured (scripts/measure_job_memory.py: peak RSS of the real worker/data.py and
 worker/trainer.py code in fresh CPU processes, torch 2.14.1; the table is in docs/security.md).
-Everything is in float32 sizes; on a GPU the worker trains under bf16 autocast, which holds less,
-so the estimate errs on the side of refusing. What a worker has: `memory_total_bytes` of its
-device (a CPU worker's RAM), `host_memory_total_bytes` of its host, less `admission_headroom`.
+Everything is in float32 sizes; on a GPU (and a CPU with native bf16) the worker trains under
+bf16 autocast, which holds less, so the estimate errs on the side of refusing (a calibration run
+on such a CPU measures bf16 unless its plans are set to fp32). What a worker has:
+`memory_total_bytes` of its device (a CPU worker's RAM), `host_memory_total_bytes` of its host,
+less `admission_headroom`.
 """
 
 from __future__ import annotations
