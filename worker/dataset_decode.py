@@ -10,11 +10,11 @@ in flight (a few per process).
 Why processes and not threads (docs/benchmarks.md, "Dataset decode", has the figures and the
 command): Pillow releases the GIL inside its decoder and its resampler, but everything around
 them (opening the file, the plugin's header parsing, the array at the end) is Python or holds the
-GIL. Timed per image in thread CPU time, a tenth to a fifth of a photo's decode holds the GIL, and most
+GIL. Timed per image in thread CPU time, a small share of a photo's decode holds the GIL, and most
 of a small PNG's: by Amdahl's law a thread pool on a 16-core GPU host would decode photos at well
 under half of what its cores can, and small images hardly faster than one thread. Processes are
 bounded by the cores alone; what they cost the worker, each chunk's arrays copied out of the
-pipe, is about a hundredth of a photo's decode. And a process contains a decoder that crashes:
+pipe, is a small fraction of a photo's decode. And a process contains a decoder that crashes:
 a native decoder's segfault kills one pool process, never the worker (below).
 
 Why forkserver: a worker runs threads (heartbeat, /predict intake and decode, the job) and holds

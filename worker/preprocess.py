@@ -26,9 +26,9 @@ TRANSFORM_VERSION = 2
 
 # JPEG decodes at 1/2, 1/4 or 1/8 scale (`Image.draft`) only while the scaled image keeps at least
 # this many pixels per output pixel on both sides, and the resize after it maps the original's
-# exact extent (draft's box): Pillow's own `thumbnail` default. Against the full decode of the same
-# files this keeps every target within a level or so of uint8 on average (docs/benchmarks.md,
-# "Dataset decode"); a gap of 1 (the smallest draft that covers the target) was several levels off.
+# exact extent (draft's box): Pillow's own `thumbnail` default. This stays close to the full decode
+# of the same files (docs/benchmarks.md, "Dataset decode"), where the smallest draft that covers the
+# target, resized without the box, was visibly off.
 DRAFT_REDUCING_GAP = 2
 
 

@@ -16,8 +16,7 @@ from worker.data import load_image_folder
 from worker.preprocess import apply_preprocessing, image_to_array
 
 # Mean absolute difference, in uint8 levels, between the draft path and the full decode of the
-# same file. Measured on these generated photos: 0.15 to 0.39; on two real photos (720×477, a
-# circuit board with text) up to 0.81 (docs/benchmarks.md, "Dataset decode").
+# same file: what was measured is in docs/benchmarks.md, "Dataset decode".
 TOLERANCE_MEAN = 1.0
 
 
