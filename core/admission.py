@@ -12,7 +12,7 @@ The estimate, in bytes, for N images of E = C×H×W values, batch B, P parameter
     dataset          2·N·E     the uint8 dataset, and the train/val split the trainer copies out of it
     preparation      the peak while the data is built, before the split copies:
                      fake: 12·N·E (three float32 N×E temporaries of worker/data.fake_images)
-                     upload: 2·N·E (decoded arrays, then np.stack), torchvision: 2·native + N·E
+                     upload: 2·N·E (a bound: one N·E array and the chunks in flight), torchvision: 2·native + N·E
     statistics       STATS_BYTES_PER_VALUE·S·E, S = min(N_train, 20 000) (float64 copy and
                      the temporaries of preprocess.channel_stats)
     model            P·(8 + optimizer state: 4 SGD momentum, 8 Adam/AdamW) + JOB_OVERHEAD
@@ -26,9 +26,11 @@ The estimate, in bytes, for N images of E = C×H×W values, batch B, P parameter
 
 The constants were measured (scripts/measure_job_memory.py: peak RSS of the real worker/data.py and
 worker/trainer.py code in fresh CPU processes, torch 2.14.1; the table is in docs/security.md).
-Everything is in float32 sizes; on a GPU the worker trains under bf16 autocast, which holds less,
-so the estimate errs on the side of refusing. What a worker has: `memory_total_bytes` of its
-device (a CPU worker's RAM), `host_memory_total_bytes` of its host, less `admission_headroom`.
+Everything is in float32 sizes; on a GPU (and a CPU with native bf16) the worker trains under
+bf16 autocast, which holds less, so the estimate errs on the side of refusing (a calibration run
+on such a CPU measures bf16 unless its plans are set to fp32). What a worker has:
+`memory_total_bytes` of its device (a CPU worker's RAM), `host_memory_total_bytes` of its host,
+less `admission_headroom`.
 """
 
 from __future__ import annotations

@@ -85,6 +85,18 @@ def png(array: np.ndarray) -> bytes:
     return out.getvalue()
 
 
+def photo_jpeg(width: int = 500, height: int = 375, seed: int = 0, quality: int = 85) -> bytes:
+    """A photo-like JPEG (the issue's 500×375 at ~40 KB): a random colour field smoothed over ~25
+    pixels, plus pixel noise, so the file has both the broad areas and the fine grain of a photo."""
+    rng = np.random.default_rng(seed)
+    coarse = rng.integers(0, 256, (height // 25 + 2, width // 25 + 2, 3), dtype=np.uint8)
+    smooth = np.asarray(Image.fromarray(coarse).resize((width, height), Image.Resampling.BICUBIC), dtype=np.int16)
+    noisy = (smooth + rng.integers(-12, 13, (height, width, 3))).clip(0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(noisy).save(out, format="JPEG", quality=quality)
+    return out.getvalue()
+
+
 def class_pattern_images(labels: np.ndarray, channels: int, size: int, seed: int, noise: float = 0.15) -> np.ndarray:
     """uint8 N×C×H×W: one fixed coarse colour pattern per class plus noise (learnable)."""
     rng = np.random.default_rng(1000 + channels)

@@ -6,8 +6,11 @@ device once and slice batches there: no DataLoader, no per-step decoding.
 
 from __future__ import annotations
 
+import fcntl
 import logging
-from collections.abc import Iterable
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -18,9 +21,10 @@ from PIL import Image
 
 from core.config import Settings
 from core.datasets import BUILTIN_TORCHVISION, FAKE_CLASSES, FAKE_IMAGES, FAKE_PATTERN_SEED, DatasetRecord, split_sizes
-from core.images import IMAGE_FORMATS
 from core.storage import atomic_path
-from worker.preprocess import image_to_array
+from worker.cpu_threads import usable_cores
+from worker.dataset_decode import DecodeFailed, InputSpec, decode_files
+from worker.preprocess import TRANSFORM_VERSION, image_to_array
 
 log = logging.getLogger(__name__)
 
@@ -114,30 +118,56 @@ def _arrays_to_tensor(data: np.ndarray, channels: int, height: int, width: int,
 # ---------------------------------------------------------------------------- uploaded image folders
 def load_image_folder(root: Path, channels: int, height: int, width: int,
                       resize_size: int | None = None) -> ImageTensors:
-    """Decode an extracted `<class>/<image>` folder once per input spec, cached beside it."""
-    spec = f"{channels}x{height}x{width}" + (f"r{resize_size}" if resize_size else "")
-    cache = root.parent / f".{root.name}.cache" / f"{spec}.pt"
+    """An extracted `<class>/<image>` folder at one input spec, decoded once by all the worker's cores
+    (worker/dataset_decode.py) and cached beside it (`.<id>.cache/<spec>-t<transform>.pt`).
+
+    Workers that need the same spec at the same time (two GPUs of one host) take an exclusive lock
+    per spec: one decodes, the others wait and read its file; the kernel drops the lock with a
+    holder that dies. The file is written atomically, so a reader never sees half of one without
+    the lock either. A cache written by an older transform (worker/preprocess.TRANSFORM_VERSION)
+    is not read: it is decoded again and the old file removed."""
+    spec = InputSpec(channels, height, width, resize_size)
+    folder = root.parent / f".{root.name}.cache"
+    cache = folder / f"{spec.name}-t{TRANSFORM_VERSION}.pt"
     if cache.exists():
-        saved = torch.load(cache, weights_only=True)
-        return ImageTensors(saved["images"], saved["labels"], list(saved["classes"]))
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
-    arrays: list[np.ndarray] = []
-    labels: list[int] = []
-    for label, name in enumerate(classes):
-        for path in sorted((root / name).iterdir()):
-            try:
-                with Image.open(path, formats=IMAGE_FORMATS) as image:  # the allowlist (core/images.py)
-                    arrays.append(image_to_array(image, channels, height, width, resize_size))
-            except (OSError, ValueError, Image.DecompressionBombError) as exc:
-                log.warning("skipping unreadable image %s: %s", path, exc)
-                continue
-            labels.append(label)
-    if not arrays:
-        raise DatasetUnavailable(f"dataset at {root} holds no readable images")
-    tensors = ImageTensors(torch.from_numpy(np.stack(arrays)), torch.tensor(labels, dtype=torch.int64), classes)
-    with atomic_path(cache) as tmp:
-        torch.save({"images": tensors.images, "labels": tensors.labels, "classes": classes}, tmp)
+        return _read_cache(cache)
+    folder.mkdir(parents=True, exist_ok=True)
+    with _exclusive(folder / f"{spec.name}.lock"):
+        if cache.exists():  # decoded by another worker while this one waited
+            return _read_cache(cache)
+        classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+        files = [(path, label) for label, name in enumerate(classes) for path in sorted((root / name).iterdir())]
+        workers = usable_cores()
+        log.info("decoding %d files of %s at %s on %d processes", len(files), root, spec.name, workers)
+        try:
+            decoded = decode_files([path for path, _ in files], spec, workers=workers)
+        except DecodeFailed as exc:
+            raise DatasetUnavailable(f"dataset at {root}: {exc}") from exc
+        if not len(decoded.kept):
+            raise DatasetUnavailable(f"dataset at {root} holds no readable images")
+        labels = torch.tensor([files[i][1] for i in decoded.kept], dtype=torch.int64)
+        tensors = ImageTensors(torch.from_numpy(decoded.images), labels, classes)
+        with atomic_path(cache) as tmp:
+            torch.save({"images": tensors.images, "labels": tensors.labels, "classes": classes}, tmp)
+        for older in [folder / f"{spec.name}.pt", *folder.glob(f"{spec.name}-t*.pt")]:
+            if older != cache:
+                older.unlink(missing_ok=True)
     return tensors
+
+
+def _read_cache(path: Path) -> ImageTensors:
+    saved = torch.load(path, weights_only=True)
+    return ImageTensors(saved["images"], saved["labels"], list(saved["classes"]))
+
+
+@contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 # The `fake` set's "test split" for evaluations: the same class patterns, noise drawn from a seed

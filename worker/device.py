@@ -295,6 +295,17 @@ class NvmlUtilization:
 _nvml_utilization = NvmlUtilization()
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (/proc/cpuinfo); none where it does not."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -17,6 +17,7 @@ from core.schemas import Job, Progress
 from worker.backoff import BatchBackoff
 from worker.checkpoint import load_model
 from worker.data import evaluation_split, load_dataset
+from worker.device import cpu_flags
 from worker.evaluation import EVAL_BATCH, measure
 from worker.job_context import JobContext, JobFailed, JobOutcome
 from worker.preprocess import stats_tensors
@@ -39,8 +40,8 @@ def run_evaluate_job(job: Job, ctx: JobContext) -> JobOutcome:
     label_map = torch.tensor([meta.classes.index(name) for name in data.classes], dtype=torch.int64)
 
     cuda = device.type == "cuda"
-    precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None)
-    if cuda:
+    precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None, cpu_flags())
+    if precision.channels_last:
         model = model.to(memory_format=torch.channels_last)
     batch_size = int(job.params.get("batch_size") or EVAL_BATCH)
     mean, std = stats_tensors(pre, device)
@@ -62,7 +63,7 @@ def run_evaluate_job(job: Job, ctx: JobContext) -> JobOutcome:
     batches = (StagedBatches(data.images, data.labels, device, capacity=batch_size) if cuda
                else ResidentBatches(data.images, data.labels, device))
     measured = measure(model, batches, len(meta.classes), mean=mean, std=std, device=device,
-                       channels_last=cuda, autocast=lambda: autocast(device, precision.amp_dtype), backoff=backoff,
+                       channels_last=precision.channels_last, autocast=lambda: autocast(device, precision.amp_dtype), backoff=backoff,
                        batch_size=batch_size, label_map=label_map, should_stop=ctx.should_stop, on_batch=progress)
     if measured is None:
         raise JobFailed(f"dataset {job.dataset} has no images to evaluate on")

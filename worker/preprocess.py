@@ -1,31 +1,57 @@
 """Image → model input. One implementation, used for training data and for /predict alike,
-so a prediction sees exactly the evaluation transform the model was trained with."""
+so a prediction sees exactly the evaluation transform the model was trained with.
+
+The module imports no torch when it loads (torch only inside `stats_tensors`): the processes
+that decode an uploaded dataset (worker/dataset_decode.py) import it, and each would otherwise
+spend seconds and hundreds of megabytes importing torch before its first image.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image
 
-from worker.checkpoint import Preprocessing
+if TYPE_CHECKING:
+    import torch
+
+    from worker.checkpoint import Preprocessing
+
+# Bumped whenever image_to_array's output changes for some input: datasets decoded by an older
+# transform (worker/data.py's caches) are decoded again, so training data stays what /predict sees.
+# 2: JPEG draft (below).
+TRANSFORM_VERSION = 2
+
+# JPEG decodes at 1/2, 1/4 or 1/8 scale (`Image.draft`) only while the scaled image keeps at least
+# this many pixels per output pixel on both sides, and the resize after it maps the original's
+# exact extent (draft's box): Pillow's own `thumbnail` default. This stays close to the full decode
+# of the same files (docs/benchmarks.md, "Dataset decode"), where the smallest draft that covers the
+# target, resized without the box, was visibly off.
+DRAFT_REDUCING_GAP = 2
 
 
 def image_to_array(image: Image.Image, channels: int, height: int, width: int,
                    resize_size: int | None = None) -> np.ndarray:
     """Decode to the architecture's channels and size: uint8 array C×H×W. With `resize_size` (the
     eval transform of pretrained weights): the shorter side resized to it, then a centre crop, as
-    torchvision's Resize + CenterCrop do it."""
+    torchvision's Resize + CenterCrop do it.
+
+    A JPEG not yet loaded is decoded by libjpeg at the smallest of 1/8, 1/4, 1/2 scale that keeps
+    DRAFT_REDUCING_GAP times the size the resize goes to (`Image.draft`): most of a large photo's
+    cost is decoding pixels the resize would average away. Other formats decode in full."""
     if getattr(image, "is_animated", False):
         image.seek(0)  # GIF/WebP animations: the first frame
     mode = "L" if channels == 1 else "RGB"
+    resized = (width, height) if resize_size is None else _shorter_side_size(image.size, resize_size)
+    box = _draft(image, mode, resized)
     if image.mode != mode:
         image = image.convert(mode)
+    if image.size != resized or box is not None:
+        image = image.resize(resized, Image.Resampling.BILINEAR, box=box)
     if resize_size is not None:
-        image = _resize_shorter_and_centre_crop(image, resize_size, height, width)
-    elif image.size != (width, height):
-        image = image.resize((width, height), Image.Resampling.BILINEAR)
+        image = _centre_crop(image, height, width)
     array = np.asarray(image, dtype=np.uint8)
     if array.ndim == 2:
         array = array[None, :, :]
@@ -34,11 +60,26 @@ def image_to_array(image: Image.Image, channels: int, height: int, width: int,
     return np.ascontiguousarray(array)
 
 
-def _resize_shorter_and_centre_crop(image: Image.Image, shorter: int, height: int, width: int) -> Image.Image:
-    w, h = image.size
-    if (w <= h and w != shorter) or (h < w and h != shorter):
-        new = (shorter, int(shorter * h / w)) if w <= h else (int(shorter * w / h), shorter)
-        image = image.resize(new, Image.Resampling.BILINEAR)
+def _draft(image: Image.Image, mode: str, size: tuple[int, int]) -> tuple[float, float, float, float] | None:
+    """Ask the JPEG decoder for a reduced image; the original's extent in it (for `resize(box=)`),
+    or None when it is not reduced. Pillow ignores the request for other formats and for an image
+    already loaded; a JPEG of mode RGB asked for "L" decodes its luma alone."""
+    drafted = image.draft(mode, (size[0] * DRAFT_REDUCING_GAP, size[1] * DRAFT_REDUCING_GAP))
+    if drafted is None:
+        return None
+    box = drafted[1]
+    return None if (box[2], box[3]) == image.size else box
+
+
+def _shorter_side_size(size: tuple[int, int], shorter: int) -> tuple[int, int]:
+    """The size torchvision's Resize(shorter) gives an image of `size` (width, height)."""
+    w, h = size
+    if w <= h:
+        return (w, h) if w == shorter else (shorter, int(shorter * h / w))
+    return (w, h) if h == shorter else (int(shorter * w / h), shorter)
+
+
+def _centre_crop(image: Image.Image, height: int, width: int) -> Image.Image:
     w, h = image.size
     top, left = round((h - height) / 2.0), round((w - width) / 2.0)
     return image.crop((left, top, left + width, top + height))  # PIL pads with black where it must
@@ -55,6 +96,8 @@ def normalize(batch: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> tor
 
 
 def stats_tensors(pre: Preprocessing, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    import torch
+
     shape = (1, pre.channels, 1, 1)
     mean = torch.tensor(pre.mean, dtype=torch.float32, device=device).view(shape)
     std = torch.tensor(pre.std, dtype=torch.float32, device=device).view(shape)

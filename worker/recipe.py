@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,26 +23,39 @@ from torch.optim import lr_scheduler
 class Precision:
     amp_dtype: Literal["bfloat16", "float16"] | None  # autocast's dtype; None: full fp32
     grad_scaler: bool  # fp16 needs a gradient scaler (its range is narrow); bf16 does not
+    channels_last: bool  # NHWC: the layout tensor cores and oneDNN's bf16 convolutions are fastest in
 
 
-def choose_precision(device_type: str, capability: tuple[int, int] | None) -> Precision:
+# /proc/cpuinfo flags of a CPU that multiplies bf16 in hardware: AVX512-BF16's dot products, AMX's tiles.
+NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def choose_precision(device_type: str, capability: tuple[int, int] | None,
+                     cpu_flags: Collection[str] = ()) -> Precision:
     """Mixed precision only where the device runs it natively.
 
     - CUDA compute capability 8.0 and newer (Ampere, Hopper, ...): bf16 autocast, no scaler.
     - 7.x (Volta, Turing): fp16 autocast with a GradScaler. Their tensor cores run fp16; Turing
       reports bf16 as supported (`torch.cuda.is_bf16_supported()` counts emulation), but emulated
       bf16 is slower than fp32, so the capability decides, not that call.
-    - older GPUs (no tensor cores) and the CPU: none. On this repository's CPU host (Xeon with
-      AVX512-BF16/AMX), bf16 autocast trained resnet18 at 0.15× the fp32 rate and cifar_net at
-      1.01× (docs/training.md), so the CPU stays fp32.
+    - older GPUs (no tensor cores): none. Every GPU keeps channels_last.
+    - a CPU whose flags (`cpu_flags`, /proc/cpuinfo's) say it multiplies bf16 in hardware: bf16
+      autocast in channels_last. oneDNN's bf16 convolutions run in NHWC; in the default NCHW
+      layout the reorders around them cost the small model (cifar_net) what the arithmetic saved.
+      On this repository's AMD EPYC (avx512_bf16) bf16 in channels_last trained both cifar_net and
+      resnet18 faster than fp32 in either layout, at the same accuracy on the built-in sets
+      (docs/training.md, "Mixed precision on a CPU").
+    - any other CPU: fp32, NCHW. bf16 there is converted in software, and nothing was measured.
     """
     if device_type != "cuda" or capability is None:
-        return Precision(None, False)
+        if device_type == "cpu" and NATIVE_BF16_CPU_FLAGS & set(cpu_flags):
+            return Precision("bfloat16", False, True)
+        return Precision(None, False, device_type == "cuda")
     if capability >= (8, 0):
-        return Precision("bfloat16", False)
+        return Precision("bfloat16", False, True)
     if capability >= (7, 0):
-        return Precision("float16", True)
-    return Precision(None, False)
+        return Precision("float16", True, True)
+    return Precision(None, False, True)
 
 
 def autocast(device: torch.device, amp_dtype: str | None) -> contextlib.AbstractContextManager:

@@ -101,7 +101,7 @@ class StepRunner:
         while True:
             error = None
             try:
-                result = self._accumulate(model, optimizer, scaler, loss_fn, x, y, aug_gen, mean, std, backoff.size)
+                result = self.accumulate(model, optimizer, scaler, loss_fn, x, y, aug_gen, mean, std, backoff.size)
                 backoff.succeeded()
                 return result
             except torch.OutOfMemoryError as exc:
@@ -110,7 +110,7 @@ class StepRunner:
             optimizer.zero_grad(set_to_none=True)
             backoff.out_of_memory(error)
 
-    def _accumulate(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+    def accumulate(self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
                     loss_fn: nn.Module, x: torch.Tensor, y: torch.Tensor, aug_gen: torch.Generator,
                     mean: torch.Tensor, std: torch.Tensor, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
         optimizer.zero_grad(set_to_none=True)

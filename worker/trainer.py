@@ -26,8 +26,9 @@ from core.schemas import EpochMetrics, EvaluationResult, Progress
 from models.registry import build_model
 from worker import init_weights
 from worker.backoff import BatchBackoff
-from worker.checkpoint import ModelMeta, Preprocessing, load_payload, save_model, save_resume_state
+from worker.checkpoint import ModelMeta, Preprocessing, save_model
 from worker.data import ImageTensors, split
+from worker.device import cpu_flags
 from worker.evaluation import EVAL_BATCH, Measured, measure
 from worker.init_weights import InitialWeights
 from worker.job_context import JobReporter, StopJob
@@ -42,8 +43,10 @@ from worker.recipe import (
     grad_scaler,
     make_optimizer,
 )
+from worker.resume import BestEpoch, ResumableRun
 from worker.staging import STAGING_BUFFERS, Batches, ResidentBatches, StagedBatches
 from worker.train_step import OneDevice, Placement, StepRunner
+from worker.warmup import batch_bounds, epoch_shapes, warm_up
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +112,7 @@ def plan_training(job_id: str, architecture: str, params: TrainingParams, data: 
     """Add this device's choices to the job's stored params: the fast path, every choice recorded."""
     cuda = device.type == "cuda"
     batch_size = params.batch_size or DEFAULT_BATCH_SIZE[device.type]
-    precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None)
+    precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None, cpu_flags())
     n_train = len(data.labels) - len(split(len(data.labels), params.val_fraction, params.seed)[1])
     steps = len(batch_bounds(n_train, batch_size)) * params.epochs
     on_device = True  # a CPU worker's "device" memory is the host's
@@ -122,25 +125,10 @@ def plan_training(job_id: str, architecture: str, params: TrainingParams, data: 
         val_fraction=params.val_fraction, channels=channels, height=height, width=width, augment=params.augment,
         schedule=schedule_for(params, steps), warmup_fraction=params.warmup_fraction, weight_decay=params.decay,
         label_smoothing=params.label_smoothing, patience=params.patience, monitor=params.monitor, keep=params.keep,
-        device=str(device), amp_dtype=precision.amp_dtype, grad_scaler=precision.grad_scaler, channels_last=cuda,
+        device=str(device), amp_dtype=precision.amp_dtype, grad_scaler=precision.grad_scaler,
+        channels_last=precision.channels_last,
         cudnn_benchmark=cuda, data_on_device=on_device, staging_buffers=0 if on_device else STAGING_BUFFERS,
     )
-
-
-def batch_bounds(n: int, batch_size: int) -> list[tuple[int, int]]:
-    """An epoch's batches: `batch_size` each, the last one shorter; a last batch of a single image
-    joins the one before (BatchNorm cannot normalise a batch of one in training mode)."""
-    bounds = [(begin, min(begin + batch_size, n)) for begin in range(0, n, batch_size)]
-    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] == 1:
-        bounds[-2:] = [(bounds[-2][0], n)]
-    return bounds
-
-
-@dataclass
-class _Best:
-    epoch: int
-    state_dict: dict[str, torch.Tensor]  # on the CPU
-    measured: Measured
 
 
 class Trainer:
@@ -151,8 +139,8 @@ class Trainer:
         self.plan = plan
         self.data = data
         self.final_path = final_path
-        # Resume state: read from where the last recorded epoch's was recorded (if any); each
-        # epoch's written to a file of its own, recorded with that epoch's metrics (reporter.epoch).
+        # Resume state (worker/resume.py): read from where the last recorded epoch's was recorded (if
+        # any); each epoch's written to a file of its own, recorded with that epoch's metrics.
         self.resume_from = resume_from
         self.resume_to = resume_to
         self.reporter = reporter
@@ -199,13 +187,27 @@ class Trainer:
         eval_backoff = self._backoff(max(plan.batch_size, EVAL_BATCH), "validation")
         stopper = EarlyStopping(plan.monitor, plan.patience)
         history: list[EpochMetrics] = []
-        resumed = self._resume(model, optimizer, scheduler, scaler, stopper, backoff, history)
-        start_epoch, best, stop_reason = resumed
+        run = ResumableRun(model, optimizer, scheduler, scaler, stopper, backoff, device)
+        start_epoch, best, stop_reason = run.restore(self.resume_from, history) if self.resume_from else (1, None, None)
         if start_epoch > 1:
+            log.info("job %s resumes after epoch %d", plan.job_id, start_epoch - 1)
             self.reporter.resumed(start_epoch - 1)
         steps_runner = StepRunner(device, self.placement, augment=plan.augment, channels_last=plan.channels_last,
                                   autocast=self._autocast, one_image_split=n == 1)
         train_model = self.placement.wrap(model)  # a gang's rank: DistributedDataParallel
+
+        def validate(net: nn.Module, batches: Batches, back_off: BatchBackoff | None = eval_backoff) -> Measured | None:
+            return measure(net, batches, len(classes), mean=mean_t, std=std_t, device=device, backoff=back_off,
+                           channels_last=plan.channels_last, autocast=self._autocast, batch_size=eval_backoff.size,
+                           should_stop=self.should_stop)
+
+        # Each shape of an epoch tuned before its clock starts (worker/warmup.py), on one device: a gang's
+        # ranks would each need the same twin steps in lockstep (their BatchNorm's collectives).
+        if plan.cudnn_benchmark and isinstance(self.placement, OneDevice):
+            shapes = epoch_shapes((plan.channels, plan.height, plan.width), bounds, len(val), eval_backoff.size)
+            warm_up(model, optimizer, scaler, shapes, validate=lambda net, batches: validate(net, batches, None),
+                    step=lambda net, opt, scl, x, y, gen: steps_runner.accumulate(net, opt, scl, loss_fn, x, y, gen,
+                                                                                  mean_t, std_t, backoff.size))
 
         last_measured: Measured | None = None
         epoch = start_epoch - 1
@@ -243,13 +245,10 @@ class Trainer:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - started
-            measured = self.placement.reduce_measured(measure(
-                model, val, len(classes), mean=mean_t, std=std_t, device=device, channels_last=plan.channels_last,
-                autocast=self._autocast, backoff=eval_backoff, batch_size=eval_backoff.size,
-                should_stop=self.should_stop), len(classes))
+            measured = self.placement.reduce_measured(validate(model, val), len(classes))
             last_measured = measured
             if measured is not None and stopper.update(epoch, Score(measured.accuracy, measured.loss)):
-                best = _Best(epoch, _cpu_copy(model), measured)
+                best = BestEpoch.of(epoch, model, measured)
             if stopper.should_stop and epoch < plan.epochs:
                 stop_reason = stopper.reason()
             final_epoch = epoch == plan.epochs or stop_reason is not None
@@ -262,8 +261,9 @@ class Trainer:
                 learning_rate=step_lr,
             )
             history.append(metrics)
-            resume = self._save_resume(model, optimizer, scheduler, scaler, stopper, backoff, epoch, history, best,
-                                       stop_reason)
+            resume = self.resume_to(epoch)
+            if self.placement.leader:  # rank 0 writes it: every rank of a gang holds the same state
+                run.save(resume, epoch, history, best, stop_reason)
             self.reporter.epoch(metrics, resume)
             self.reporter.progress(Progress(epoch=epoch, epochs=plan.epochs, step=steps, steps=steps))
             if stop_reason is not None:
@@ -315,61 +315,3 @@ class Trainer:
 
     def _autocast(self) -> Any:
         return autocast(self.device, self.plan.amp_dtype)
-
-    # ------------------------------------------------------------------ resume
-    def _save_resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                     scaler: torch.amp.GradScaler, stopper: EarlyStopping, backoff: BatchBackoff, epoch: int,
-                     history: list[EpochMetrics], best: _Best | None, stop_reason: str | None) -> Path:
-        path = self.resume_to(epoch)
-        if not self.placement.leader:
-            return path  # rank 0 writes it: every rank of a gang holds the same state
-        rng = {"cpu": torch.get_rng_state()}
-        if self.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(self.device)
-        save_resume_state(path, {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None, "scaler": scaler.state_dict(),
-            "stopper": stopper.state_dict(), "micro_batch": backoff.size, "stop_reason": stop_reason,
-            "best": None if best is None else {"epoch": best.epoch, "state_dict": best.state_dict,
-                                               "loss": best.measured.loss, "accuracy": best.measured.accuracy,
-                                               "num_images": best.measured.num_images,
-                                               "confusion": best.measured.confusion},
-            "epoch": epoch, "rng": rng, "metrics": [m.model_dump() for m in history],
-        })
-        return path
-
-    def _resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                scaler: torch.amp.GradScaler, stopper: EarlyStopping, backoff: BatchBackoff,
-                history: list[EpochMetrics]) -> tuple[int, _Best | None, str | None]:
-        """(the first epoch to run, the best epoch so far, why an earlier delivery stopped early):
-        after the last finished epoch of an earlier delivery, if there was one. A resume.pt written
-        before the recipe existed has no scheduler, scaler or best state: its job ran without them."""
-        if self.resume_from is None:
-            return 1, None, None
-        state = load_payload(self.resume_from, map_location=self.device)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None and state.get("scheduler"):
-            scheduler.load_state_dict(state["scheduler"])
-        if state.get("scaler"):
-            scaler.load_state_dict(state["scaler"])
-        if state.get("stopper"):
-            stopper.load_state_dict(state["stopper"])
-        backoff.size = max(backoff.floor, min(backoff.size, int(state.get("micro_batch") or backoff.size)))
-        torch.set_rng_state(state["rng"]["cpu"].cpu())
-        if "cuda" in state["rng"] and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng"]["cuda"].cpu(), self.device)
-        history.extend(EpochMetrics.model_validate(m) for m in state["metrics"])
-        best = None
-        if state.get("best"):
-            saved = state["best"]
-            best = _Best(int(saved["epoch"]), {k: v.cpu() for k, v in saved["state_dict"].items()},
-                         Measured(int(saved["num_images"]), float(saved["loss"]), float(saved["accuracy"]),
-                                  saved["confusion"].cpu()))
-        log.info("job %s resumes after epoch %d", self.plan.job_id, state["epoch"])
-        return int(state["epoch"]) + 1, best, state.get("stop_reason")
-
-
-def _cpu_copy(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-

@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
+import logging
+import signal
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
 import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import IO
 
+import numpy as np
+import psutil
 import pytest
 import torch
+from PIL import Image
 
 from core.archives import extract_image_folder
 from core.zip_safety import ArchiveLimits
-from tests.datagen import CIFAR_CLASSES, SHAPE_CLASSES, shapes_zip, write_cifar10, write_mnist
+from tests.datagen import CIFAR_CLASSES, SHAPE_CLASSES, photo_jpeg, shapes_zip, write_cifar10, write_mnist
 from worker.data import DatasetUnavailable, load_fake, load_image_folder, load_torchvision, split
+from worker.preprocess import image_to_array
+
+REPO = Path(__file__).resolve().parents[2]
 
 LIMITS = ArchiveLimits(max_entries=10_000, max_uncompressed_bytes=10**9, max_ratio=200.0, max_image_pixels=10**7)
 
@@ -91,3 +108,195 @@ def test_split_is_seeded_and_disjoint() -> None:
 def test_fake_is_deterministic() -> None:
     a, b = load_fake(3, 32, 32, seed=1), load_fake(3, 32, 32, seed=1)
     assert torch.equal(a.images, b.images) and a.images.shape[1:] == (3, 32, 32)
+
+
+# ---------------------------------------------------------------------------- an uploaded set, decoded once
+
+
+def write_photo_set(root: Path, per_class: int, size: tuple[int, int] = (500, 375)) -> list[Path]:
+    """`<class>/<image>` of photo-like JPEGs, two classes; the files in the order a set lists them."""
+    files = []
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            path = root / label / f"{i:04d}.jpg"
+            path.write_bytes(photo_jpeg(*size, seed=1000 * len(files) + i))
+            files.append(path)
+    return files
+
+
+def one_by_one(files: list[Path], *spec: int | None) -> np.ndarray:
+    """What the set's rows must be: each readable file through the one transform, in order."""
+    arrays = []
+    for path in files:
+        with Image.open(path) as image:
+            arrays.append(image_to_array(image, *spec))
+    return np.stack(arrays)
+
+
+def test_a_set_decoded_by_the_pool_is_each_file_through_the_transform(tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    root = tmp_path / "datasets" / "ds1"
+    files = write_photo_set(root, per_class=20)
+    (root / "a" / "0005.jpg").write_bytes(files[5].read_bytes()[:2000])  # truncated
+    (root / "b" / "notes.txt").write_text("not an image")
+    readable = [f for f in files if f.name != "0005.jpg" or f.parent.name != "a"]
+    cache = root.parent / ".ds1.cache"
+    cache.mkdir()
+    torch.save({"images": torch.zeros(1, 3, 32, 32, dtype=torch.uint8), "labels": torch.zeros(1),
+                "classes": ["stale"]}, cache / "3x32x32.pt")  # written by the transform before the draft
+
+    with caplog.at_level(logging.WARNING, logger="worker.dataset_decode"):
+        data = load_image_folder(root, 3, 32, 32)
+    assert np.array_equal(data.images.numpy(), one_by_one(readable, 3, 32, 32))
+    assert data.labels.tolist() == [0] * 19 + [1] * 20 and data.classes == ["a", "b"]
+    skipped = sorted(r.getMessage().split(":")[0] for r in caplog.records)
+    assert skipped == [f"skipping unreadable image {root / 'a' / '0005.jpg'}",
+                       f"skipping unreadable image {root / 'b' / 'notes.txt'}"]
+    assert sorted(p.name for p in cache.glob("*.pt")) == ["3x32x32-t2.pt"]  # the stale cache is gone
+    again = load_image_folder(root, 3, 32, 32)
+    assert torch.equal(again.images, data.images) and torch.equal(again.labels, data.labels)
+
+
+def test_decoding_a_set_holds_its_images_once(tmp_path: Path) -> None:
+    """Peak memory of the decode (numpy's allocations, traced): the set's array, plus the chunks in
+    flight; never a list of every image and then its stacked copy."""
+    root = tmp_path / "ds"
+    rng = np.random.default_rng(0)
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True)
+        for i in range(1000):
+            Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(root / label / f"{i}.png")
+    tracemalloc.start()
+    try:
+        data = load_image_folder(root, 3, 64, 64)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    size = data.images.numel()
+    assert data.images.shape == (2000, 3, 64, 64)
+    assert peak < 1.5 * size, f"peak {peak / size:.2f}× the set"
+
+
+def test_a_decoding_process_killed_mid_set_costs_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """SIGKILL one pool process while it decodes (as a decoder crash would end it): the pool
+    breaks, nothing hangs, the chunks it held are decoded again and every file is in the set."""
+    root = tmp_path / "ds"
+    files = write_photo_set(root, per_class=120)
+    me = psutil.Process()
+    killed: list[int] = []
+
+    def kill_a_decoder() -> None:  # pool processes are the forkserver's children: our grandchildren
+        deadline = time.monotonic() + 30
+        while not killed and time.monotonic() < deadline:
+            for process in me.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if process.ppid() != me.pid:
+                        process.kill()
+                        killed.append(process.pid)
+                        return
+            time.sleep(0.002)
+
+    killer = threading.Thread(target=kill_a_decoder)
+    killer.start()
+    with caplog.at_level(logging.WARNING, logger="worker.dataset_decode"):
+        data = load_image_folder(root, 3, 224, 224)
+    killer.join()
+    assert killed, "no decoding process was seen"
+    assert any("a decoding process died" in r.getMessage() for r in caplog.records)
+    assert not any(r.getMessage().startswith("skipping") for r in caplog.records)
+    assert np.array_equal(data.images.numpy(), one_by_one(files, 3, 224, 224))
+
+
+LOADER = r"""
+import hashlib, logging, sys
+from pathlib import Path
+from worker.data import load_image_folder
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
+    data = load_image_folder(Path(sys.argv[1]), 3, 224, 224)
+    print(hashlib.sha256(data.images.numpy().tobytes() + data.labels.numpy().tobytes()).hexdigest(), flush=True)
+"""
+
+
+@pytest.fixture
+def start_loader() -> Iterator[Callable[[Path], subprocess.Popen]]:
+    """Start a worker's first job on a set, in a process of its own; any left at the end are killed
+    (a failed test may leave one stopped)."""
+    started: list[subprocess.Popen] = []
+
+    def start(root: Path) -> subprocess.Popen:
+        started.append(subprocess.Popen([sys.executable, "-c", LOADER, str(root)], cwd=REPO, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True))
+        return started[-1]
+
+    yield start
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def wait_for_line(stream: IO[str], text: str) -> None:
+    for line in stream:
+        if text in line:
+            return
+    raise AssertionError(f"the process ended without logging {text!r}")
+
+
+def waits_for_a_lock(pid: int, timeout: float = 60) -> bool:
+    """True once `pid` is blocked on a file lock (a `->` entry of /proc/locks: a waiter)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(line.split()[1] == "->" and line.split()[5] == str(pid) for line in Path("/proc/locks").read_text()
+               .splitlines() if len(line.split()) > 5):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def decoding_processes(pid: int, timeout: float = 30) -> list[psutil.Process]:
+    """`pid`'s descendants once its decode pool runs (the forkserver, and its children the pool)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        descendants = psutil.Process(pid).children(recursive=True)
+        if any(p.ppid() != pid for p in descendants):
+            return descendants
+        time.sleep(0.01)
+    raise AssertionError("the decode pool did not start")
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads the kernel's lock table (Linux)")
+def test_two_workers_decode_a_set_once_and_a_killed_one_leaves_nothing(
+        tmp_path: Path, start_loader: Callable[[Path], subprocess.Popen]) -> None:
+    """Two first jobs on the same set and spec: the second waits for the first and reads its file
+    (decoded once). A first job SIGKILLed while it decodes leaves no decoding process behind and no
+    cache; the next one decodes the set itself."""
+    root = tmp_path / "ds"
+    files = write_photo_set(root, per_class=60)
+    expected = one_by_one(files, 3, 224, 224)
+    digest = hashlib.sha256(expected.tobytes() + np.repeat([0, 1], 60).astype(np.int64).tobytes()).hexdigest()
+
+    first = start_loader(root)
+    wait_for_line(first.stderr, "decoding 120 files")
+    first.send_signal(signal.SIGSTOP)  # holding the lock, its cache not written
+    second = start_loader(root)
+    assert waits_for_a_lock(second.pid)
+    first.send_signal(signal.SIGCONT)
+    outputs = [process.communicate(timeout=120) for process in (first, second)]
+    assert [out.strip() for out, _ in outputs] == [digest, digest]
+    assert "decoding" not in outputs[1][1]  # the second read the first's file
+
+    for cache in (root.parent / ".ds.cache").glob("*.pt"):
+        cache.unlink()
+    doomed = start_loader(root)
+    wait_for_line(doomed.stderr, "decoding 120 files")
+    decoders = decoding_processes(doomed.pid)
+    doomed.kill()
+    doomed.wait()
+    _, alive = psutil.wait_procs(decoders, timeout=30)
+    assert not alive, f"decoding processes outlived their worker: {alive}"
+    assert not list((root.parent / ".ds.cache").glob("*.pt"))
+    third = start_loader(root)
+    out, err = third.communicate(timeout=120)
+    assert out.strip() == digest and "decoding 120 files" in err

@@ -6,7 +6,6 @@ weights with a new head."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,19 +14,20 @@ import torch
 
 from core.params import TrainingParams, resolve_params
 from core.schemas import JobSpec
-from models.cifar_net import CifarNet
 from models.registry import build_model
 from tests.worker.test_trainer import Reporter, small_fake
 from worker import init_weights
 from worker.augment import random_crop_flip
 from worker.checkpoint import load_payload
 from worker.data import ImageTensors
+from worker.device import cpu_flags
 from worker.init_weights import InitialWeights
 from worker.job_context import JobFailed, StopJob
-from worker.recipe import EarlyStopping, Score, choose_precision
+from worker.recipe import NATIVE_BF16_CPU_FLAGS, EarlyStopping, Precision, Score, choose_precision
 from worker.staging import StagedBatches
 from worker.train_step import micro_batches
-from worker.trainer import Trainer, batch_bounds, plan_training
+from worker.trainer import Trainer, plan_training
+from worker.warmup import batch_bounds
 
 
 def trainer(tmp_path: Path, data: ImageTensors, reporter: Reporter, stop=lambda: None, **spec_and_plan) -> Trainer:
@@ -56,10 +56,21 @@ def test_precision_follows_the_compute_capability_not_bf16_emulation() -> None:
     assert turing.amp_dtype == "float16" and turing.grad_scaler
     assert choose_precision("cuda", (7, 0)).amp_dtype == "float16"
     assert choose_precision("cuda", (6, 1)).amp_dtype is None  # no tensor cores
-    assert choose_precision("cpu", None).amp_dtype is None and not choose_precision("cpu", None).grad_scaler
+    assert all(choose_precision("cuda", c).channels_last for c in [(9, 0), (7, 5), (6, 1)])
+
+
+def test_a_cpu_gets_bf16_where_it_multiplies_bf16_natively() -> None:
+    """A CPU's flags decide, as a GPU's capability does: AVX512-BF16 or AMX-BF16 → bf16 autocast in
+    channels_last (oneDNN's bf16 kernels' layout); anything else fp32 in NCHW."""
+    for flags in [{"avx512f", "avx512_bf16"}, {"amx_bf16", "amx_tile", "avx512_bf16"}]:
+        assert choose_precision("cpu", None, flags) == Precision("bfloat16", False, True)
+    for flags in [set(), {"avx2", "fma", "avx512f", "avx512_vnni"}, {"neon"}]:
+        assert choose_precision("cpu", None, flags) == Precision(None, False, False)
     plan = plan_training("j", "cifar_net", resolve_params(JobSpec(model="cifar_net", dataset="fake")), small_fake(10),
                          torch.device("cpu"), 3, 32, 32)
-    assert plan.amp_dtype is None and not plan.grad_scaler and plan.data_on_device and plan.staging_buffers == 0
+    native = bool(NATIVE_BF16_CPU_FLAGS & cpu_flags())  # this host's CPU, as /proc/cpuinfo lists it
+    assert (plan.amp_dtype, plan.channels_last) == (("bfloat16", True) if native else (None, False))
+    assert not plan.grad_scaler and not plan.cudnn_benchmark and plan.data_on_device and plan.staging_buffers == 0
 
 
 def test_fp16_with_the_gradient_scaler_trains_and_resumes_on_cpu(tmp_path: Path) -> None:
@@ -158,29 +169,6 @@ def test_each_image_gets_its_own_crop_and_flip() -> None:
 
 
 # ---------------------------------------------------------------------------- out-of-memory back-off
-
-
-@pytest.fixture
-def gpu_memory_budget() -> Iterator[dict]:
-    """Raise torch.OutOfMemoryError as the CUDA caching allocator does, from a global forward hook:
-    for any CifarNet pass over more than `images` images, and for the next `transient` passes
-    whatever their size (memory held for a moment by something else on the GPU)."""
-    budget = {"images": 10_000, "transient": 0, "raised": 0}
-
-    def hook(module: torch.nn.Module, args: tuple) -> None:
-        if not isinstance(module, CifarNet) or not module.training:
-            return
-        if args[0].shape[0] > budget["images"] or budget["transient"] > 0:
-            budget["transient"] = max(0, budget["transient"] - 1)
-            budget["raised"] += 1
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB. GPU 0 has a total "
-                                         "capacity of 15.74 GiB of which 12.56 MiB is free.")
-
-    handle = torch.nn.modules.module.register_module_forward_pre_hook(hook)
-    try:
-        yield budget
-    finally:
-        handle.remove()
 
 
 def test_out_of_memory_halves_the_passes_and_keeps_the_steps(tmp_path: Path, gpu_memory_budget: dict) -> None:

