@@ -90,6 +90,8 @@ class TrainingParams(BaseModel):
     # Where the first weights come from (lineage; also in the checkpoint's metadata).
     init_from: str | None = None
     pretrained: bool = False
+    # "auto": the device's native mixed precision (worker/recipe.choose_precision); "fp32": none.
+    precision: Literal["auto", "fp32"] = "auto"
     # Data-parallel training (worker/gang_training.py): ranks asked for; resume with fewer after a fault.
     world_size: int = 1
     elastic: bool = False
@@ -139,7 +141,8 @@ def resolve_params(spec: JobSpec, parent: Job | None = None) -> TrainingParams:
         label_smoothing=_given(spec.label_smoothing, RECIPE.label_smoothing),
         patience=_given(spec.patience, RECIPE.patience),
         monitor=spec.monitor or RECIPE.monitor, keep=spec.keep or RECIPE.keep,
-        init_from=spec.init_from, pretrained=spec.pretrained, world_size=spec.world_size, elastic=spec.elastic,
+        init_from=spec.init_from, pretrained=spec.pretrained, precision=spec.precision, world_size=spec.world_size,
+        elastic=spec.elastic,
     )
 
 

@@ -78,6 +78,11 @@ class JobSpec(BaseModel):
                                   "of this succeeded job (same model); a new classifier head when classes differ.")
     pretrained: bool = Field(default=False, description="Start from torchvision's ImageNet weights (resnet18, "
                              "mobilenet_v3_small), with their preprocessing.")
+    precision: Literal["auto", "fp32"] = Field(
+        default="auto", description="auto: mixed precision where the device computes it natively (bf16 on CUDA "
+                                    "8.0+ and on CPUs with native bf16, fp16 with a gradient scaler on CUDA 7.x); "
+                                    "fp32: full precision everywhere (results reproducible to fp32 rounding, e.g. "
+                                    "across world sizes), at the speed mixed precision would have saved.")
     # --- data-parallel training on several devices (docs/training.md "One job on many devices") ---
     world_size: int = Field(default=1, ge=1, le=MAX_WORLD_SIZE, description="Devices that train the job together "
                             "(DistributedDataParallel, one rank per worker); batch_size is the global batch.")

@@ -31,8 +31,9 @@ NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 def choose_precision(device_type: str, capability: tuple[int, int] | None,
-                     cpu_flags: Collection[str] = ()) -> Precision:
-    """Mixed precision only where the device runs it natively.
+                     cpu_flags: Collection[str] = (), mixed: bool = True) -> Precision:
+    """Mixed precision only where the device runs it natively (and only when `mixed`: a job's
+    `"precision": "fp32"` asks for none; a GPU keeps channels_last, a CPU NCHW).
 
     - CUDA compute capability 8.0 and newer (Ampere, Hopper, ...): bf16 autocast, no scaler.
     - 7.x (Volta, Turing): fp16 autocast with a GradScaler. Their tensor cores run fp16; Turing
@@ -47,6 +48,8 @@ def choose_precision(device_type: str, capability: tuple[int, int] | None,
       (docs/training.md, "Mixed precision on a CPU").
     - any other CPU: fp32, NCHW. bf16 there is converted in software, and nothing was measured.
     """
+    if not mixed:
+        return Precision(None, False, device_type == "cuda")
     if device_type != "cuda" or capability is None:
         if device_type == "cpu" and NATIVE_BF16_CPU_FLAGS & set(cpu_flags):
             return Precision("bfloat16", False, True)

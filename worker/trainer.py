@@ -112,7 +112,8 @@ def plan_training(job_id: str, architecture: str, params: TrainingParams, data: 
     """Add this device's choices to the job's stored params: the fast path, every choice recorded."""
     cuda = device.type == "cuda"
     batch_size = params.batch_size or DEFAULT_BATCH_SIZE[device.type]
-    precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None, cpu_flags())
+    precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None, cpu_flags(),
+                                 mixed=params.precision == "auto")
     n_train = len(data.labels) - len(split(len(data.labels), params.val_fraction, params.seed)[1])
     steps = len(batch_bounds(n_train, batch_size)) * params.epochs
     on_device = True  # a CPU worker's "device" memory is the host's

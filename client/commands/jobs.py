@@ -22,7 +22,8 @@ def _train(client: TorchyardClient, args: argparse.Namespace) -> int:
                         val_fraction=args.val_fraction, image_size=args.image_size, augment=args.augment,
                         schedule=args.schedule, warmup_fraction=args.warmup, weight_decay=args.weight_decay,
                         label_smoothing=args.label_smoothing, patience=args.patience, monitor=args.monitor,
-                        keep=args.keep, init_from=args.init_from, pretrained=args.pretrained or None)
+                        keep=args.keep, init_from=args.init_from, pretrained=args.pretrained or None,
+                        precision=args.precision, world_size=args.world_size, elastic=args.elastic or None)
     output.console(sys.stderr).print(f"job {job.id} queued: {job.model} on {job.dataset_name or job.dataset}, "
                                      f"{job.params.get('epochs')} epochs, device {job.requested_device}")
     if args.detach:
@@ -116,6 +117,12 @@ def register(command: Command) -> None:
                                                      "improvement (0: off)")
     recipe.add_argument("--monitor", choices=["val_accuracy", "val_loss"])
     recipe.add_argument("--keep", choices=["best", "last"], help="which epoch's weights the checkpoint keeps")
+    recipe.add_argument("--precision", choices=["auto", "fp32"],
+                        help="auto (default): the device's native mixed precision; fp32: none")
+    gang = train.add_argument_group("one job on several devices (docs/training.md)")
+    gang.add_argument("--world-size", type=int, metavar="N",
+                      help="devices that train the job together; --batch-size is then the global batch")
+    gang.add_argument("--elastic", action="store_true", help="after a fault, resume on fewer devices if fewer are free")
     train.add_argument("--detach", action="store_true", help="print the job id and return at once")
     train.add_argument("--cancel-on-interrupt", action="store_true",
                        help="on Ctrl-C cancel the job without asking (without it, a non-interactive run "

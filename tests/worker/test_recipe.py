@@ -73,6 +73,16 @@ def test_a_cpu_gets_bf16_where_it_multiplies_bf16_natively() -> None:
     assert not plan.grad_scaler and not plan.cudnn_benchmark and plan.data_on_device and plan.staging_buffers == 0
 
 
+def test_a_job_may_ask_for_fp32_on_any_device() -> None:
+    """`"precision": "fp32"`: no autocast and no scaler anywhere; a GPU keeps channels_last."""
+    assert choose_precision("cpu", None, {"avx512_bf16"}, mixed=False) == Precision(None, False, False)
+    assert choose_precision("cuda", (9, 0), mixed=False) == Precision(None, False, True)
+    assert choose_precision("cuda", (7, 5), mixed=False) == Precision(None, False, True)
+    params = resolve_params(JobSpec(model="cifar_net", dataset="fake", precision="fp32"))
+    plan = plan_training("j", "cifar_net", params, small_fake(10), torch.device("cpu"), 3, 32, 32)
+    assert (params.precision, plan.amp_dtype, plan.grad_scaler, plan.channels_last) == ("fp32", None, False, False)
+
+
 def test_fp16_with_the_gradient_scaler_trains_and_resumes_on_cpu(tmp_path: Path) -> None:
     """The Volta/Turing branch (fp16 autocast + GradScaler) on the CPU's own fp16 autocast (slow on
     a CPU, hence small)."""
