@@ -197,7 +197,13 @@ def decode_ceiling(image: Path, width: int, height: int, seconds: float, process
         argv = [sys.executable, "-m", "bench.floors", "decode", str(image), str(width), str(height),
                 str(int(draft)), repr(start_at), str(seconds)]
         procs = [subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, text=True) for _ in range(processes)]
-        outs = [json.loads(p.communicate(timeout=seconds + 120)[0].strip().splitlines()[-1]) for p in procs]
+        try:
+            outs = [json.loads(p.communicate(timeout=seconds + 120)[0].strip().splitlines()[-1]) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         tried.append({"draft": draft, "processes": processes, "images_s": sum(o["images_s"] for o in outs),
                       "cpu_ms_per_image": statistics.mean(o["cpu_ms_per_image"] for o in outs),
                       "per_process": [round(o["images_s"], 1) for o in outs]})
