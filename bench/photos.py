@@ -158,7 +158,7 @@ def train_job(client: Any, spec: dict[str, Any]) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- the run
 def say(what: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {what}")
+    print(f"{time.strftime('%H:%M:%S')} {what}", flush=True)
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
