@@ -192,7 +192,10 @@ def build(results: dict[str, Any], argv: str) -> Report:
     head = [f"Command: `{command}`  ",
             f"Host: {machine(gpu=cuda)}  ",
             f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in {results['seconds']:.0f} s; load average "
-            f"(1 min) {results['load_start']:.1f} at the start, {results['load_end']:.1f} at the end.  ",
+            f"(1 min) {results['load_start']:.1f} at the start, {results['load_end']:.1f} at the end"
+            + (" (a LOADED host: other work used the cores meanwhile, so the figures, the floors' as well as "
+               "the service's, are lower and noisier than on a quiet host)" if max(results["load_start"], results["load_end"]) >= 1.5
+               else "") + ".  ",
             f"{results['dataset']['photos']} photo-like JPEGs of 500×375 (mean {results['dataset']['mean_jpeg_bytes'] / 1e3:.0f} KB, "
             f"quality 85, 10 class folders, bench/photo_data.py); /predict sends one such JPEG of "
             f"{results['sample_bytes'] / 1e3:.0f} KB, `top_k=5`; {a['epochs']} epochs a job, service defaults "

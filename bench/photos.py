@@ -290,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    report = photo_report.build(results, " ".join(sys.argv[1:] if argv is None else argv))
+    shown = list(sys.argv[1:] if argv is None else argv)
+    if "--json" in shown:  # where this run's figures went is no part of the command to repeat it
+        del shown[shown.index("--json"):shown.index("--json") + 2]
+    report = photo_report.build(results, " ".join(shown))
     print(report.text)
     if args.json:
         args.json.write_text(json.dumps({"results": results, "rows": report.rows, "goals": report.goals}, default=str))
