@@ -43,14 +43,45 @@ def multipart_request(port: int, path: str, payload: bytes, fields: dict[str, st
 
 
 # ----------------------------------------------------------------------------- the load client
-async def _one_connection(port: int, request: bytes, measure_from: float, stop_at: float, latencies: list[float],
-                          warm: list[float], errors: list[str]) -> None:
-    """One client: the same request again as soon as the answer is in, until `stop_at`. The
-    connection is opened once, for the warm-up and the measured window alike (a server that caps
-    connections per client never sees the warm-up's and the window's at the same time)."""
+class _Window:
+    """The measured window of a closed loop: it opens after the warm-up and closes at the first
+    moment, `seconds` later or after, when at least MIN_ANSWERS answers (or one per client, if
+    fewer clients) came in inside it, or at the latest `LONGEST` times `seconds` in. Only answers
+    that arrive inside it count, over its own length: a request still in flight when it closes
+    is waited for (nothing is abandoned mid-request) but not counted, so a server whose answers
+    take seconds is not charged the wait for its stragglers as idle time."""
+
+    MIN_ANSWERS = 10
+    LONGEST = 4
+
+    def __init__(self, warmup: float, seconds: float, concurrency: int) -> None:
+        self.opens = time.perf_counter() + warmup
+        self.due = self.opens + seconds
+        self.latest = self.opens + self.LONGEST * seconds
+        self.enough = min(concurrency, self.MIN_ANSWERS)
+        self.closed_at: float | None = None
+        self.latencies: list[float] = []
+        self.outside = 0  # answers in the warm-up, and stragglers
+
+    def answered(self, sent: float, now: float) -> None:
+        if self.closed_at is None and now >= self.opens:
+            self.latencies.append(now - sent)
+        else:
+            self.outside += 1
+
+    def open(self, now: float) -> bool:
+        if self.closed_at is None and now >= self.due and (len(self.latencies) >= self.enough or now >= self.latest):
+            self.closed_at = now
+        return self.closed_at is None
+
+
+async def _one_connection(port: int, request: bytes, window: _Window, errors: list[str]) -> None:
+    """One client: the same request again as soon as the answer is in, while the window is open.
+    The connection is opened once, for the warm-up and the window alike (a server that caps
+    connections per client never sees two sets at once)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        while (t0 := time.perf_counter()) < stop_at:
+        while window.open(sent := time.perf_counter()):
             writer.write(request)
             try:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -65,33 +96,29 @@ async def _one_connection(port: int, request: bytes, measure_from: float, stop_a
                 errors.append(head.split(b"\r\n")[0].decode() + " " + body[:200].decode(errors="replace"))
                 await asyncio.sleep(0.05)
                 continue
-            (latencies if t0 >= measure_from else warm).append(time.perf_counter() - t0)
+            window.answered(sent, time.perf_counter())
     finally:
         writer.close()
 
 
 async def _load(port: int, request: bytes, concurrency: int, seconds: float, warmup: float) -> dict[str, float]:
-    latencies: list[float] = []
-    warm: list[float] = []
     errors: list[str] = []
-    measure_from = time.perf_counter() + warmup
-    stop_at = measure_from + seconds
-    await asyncio.gather(*(_one_connection(port, request, measure_from, stop_at, latencies, warm, errors)
-                           for _ in range(concurrency)))
-    elapsed = time.perf_counter() - measure_from
+    window = _Window(warmup, seconds, concurrency)
+    await asyncio.gather(*(_one_connection(port, request, window, errors) for _ in range(concurrency)))
     if errors:
         raise RuntimeError(f"{len(errors)} failed requests, first: {errors[0]}")
-    if not latencies:
+    latencies = sorted(window.latencies)
+    if not latencies or window.closed_at is None:
         raise RuntimeError(f"no request completed in the {seconds:g} s window")
-    latencies.sort()
     return {"p50_ms": latencies[len(latencies) // 2] * 1e3,
             "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3,
-            "images_s": len(latencies) / elapsed, "requests": len(latencies), "all_requests": len(latencies) + len(warm)}
+            "images_s": len(latencies) / (window.closed_at - window.opens), "requests": len(latencies),
+            "all_requests": len(latencies) + window.outside, "window_s": window.closed_at - window.opens}
 
 
 def load(port: int, request: bytes, concurrency: int, seconds: float, pids: dict[str, int] | None = None,
          warmup: float = 1.0) -> dict[str, float]:
-    """Closed-loop load, `warmup` seconds then `seconds` measured; with `pids`, also the CPU each
+    """Closed-loop load, `warmup` seconds then `seconds` measured (_Window); with `pids`, also the CPU each
     process (and its children: API processes) spent per request, which is robust to a busy host.
     Always the load client's own CPU per request (`client_cpu_ms`, this process): it shares the
     cores with what it measures."""
