@@ -76,10 +76,11 @@ def make_checkpoint(data_dir: Path, model_name: str, size: int | None = None) ->
 
 # ----------------------------------------------------------------------------- the forward
 def raw_forward(checkpoint: Path, batch: int, seconds: float, graph: str, device: str = "cpu",
-                precision: str = "fp32") -> dict[str, float]:
+                precision: str = "fp32") -> dict[str, float] | None:
     """In this process, with whatever threads and OpenMP policy it was started with: the eager
     operators (`graph="eager"`, the classic script; under bf16 autocast with `precision="bf16"`, and
-    channels_last on CUDA), or the worker's traced serving graph of the same operators (`"traced"`)."""
+    channels_last on CUDA), or the worker's traced serving graph of the same operators (`"traced"`;
+    None where the worker would not use it either: a trace that differs from the eager module)."""
     import torch
 
     from worker.checkpoint import load_model
@@ -93,7 +94,8 @@ def raw_forward(checkpoint: Path, batch: int, seconds: float, graph: str, device
     x = torch.randint(0, 256, (batch, pre.channels, pre.height, pre.width), dtype=torch.uint8).to(device)
     if graph == "traced":
         traced = build_forward(model, pre, device)
-        assert traced.kind == "torchscript"
+        if traced.kind != "torchscript":  # the worker serves this model eagerly too (forward_graph logs why)
+            return None
         run = traced.run
     else:
         if cuda and precision == "bf16":
@@ -130,9 +132,9 @@ def _forward_main(checkpoint: str, batches: str, threads: int, seconds: float, d
 
     torch.set_num_threads(threads)
     graphs = GRAPHS if precision == "fp32" else ("eager",)  # a trace records fp32 operators
-    print(json.dumps([{**raw_forward(Path(checkpoint), int(batch), seconds, graph, device, precision),
-                       "graph": graph, "batch": int(batch)}
-                      for batch in batches.split(",") for graph in graphs]))
+    measured = [(int(batch), graph, raw_forward(Path(checkpoint), int(batch), seconds, graph, device, precision))
+                for batch in batches.split(",") for graph in graphs]
+    print(json.dumps([{**m, "graph": graph, "batch": batch} for batch, graph, m in measured if m is not None]))
 
 
 def forward_floor(checkpoint: Path, batches: list[int], seconds: float, settings: list[tuple[int, str]],
