@@ -8,7 +8,8 @@ preprocessing, on three images: the photo of bench/photos.py (a 500×375 JPEG of
 32×32. Two measures, each the best of `--repeats` (a shared host: the best is the least disturbed):
   (a) the GIL's share f: the decoder in a loop on one thread beside a thread running pure Python
       without a pause, which needs the GIL all the time: the wall time the spinner did not run is
-      the time the decoder held the GIL (hand-offs included), f = that ÷ the decoder's CPU time;
+      the time the decoder held the GIL (hand-offs included), f = that ÷ the decoder's CPU time
+      (corrected for the share of the wall time the OS gave the spinner when it ran alone);
       Amdahl then bounds N decode threads to 1 / (f + (1 − f) / N) times one thread;
   (b) the scaling itself: images/s of 1 and N threads in one process, against 1 and N fresh
       processes (no GIL shared), N = the cores.
@@ -35,6 +36,7 @@ from bench.harness import LOCK_HINT, REPO, load_average, machine
 CASES = {"jpeg-224": ("500×375 JPEG → 224×224", 224), "jpeg-32": ("500×375 JPEG → 32×32", 32),
          "png-32": ("32×32 PNG → 32×32", 32)}
 MAX_PIXELS = 40_000_000  # core/config.Settings.max_image_pixels' default
+GPU_HOST_CORES = 16  # the GPU host issue #26 was measured on
 
 
 def image(case: str) -> bytes:
@@ -82,21 +84,27 @@ def threads_rate(decode, threads: int, seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - began)
 
 
+def _spin(stop: float, cpu: list[float]) -> None:
+    began = time.thread_time()
+    while time.perf_counter() < stop:
+        pass
+    cpu[0] = time.thread_time() - began
+
+
 def spinner_share(decode, seconds: float) -> dict[str, float]:
-    """(a): the decoder in a loop on this thread while another thread runs pure Python without a
-    pause. The GIL is always wanted, so at every moment one of the two holds it: the spinner's CPU
-    time is its share, and the rest of the wall time the decoder's (hand-offs included, an upper
-    bound; a host busy with other work inflates it too, hence the best of several repeats)."""
+    """(a): a thread running pure Python without a pause, first alone, then beside the decoder in a
+    loop on this thread. The spinner needs the GIL at every moment, so the wall time it could not
+    run beside the decoder is the time the decoder held the GIL (hand-offs included: an upper
+    bound). On a host whose other tenants take cores, the spinner alone runs only a share r of the
+    wall time; beside the decoder it is held to that share of the time the GIL was free, so the
+    decoder's share is r × wall − the spinner's CPU time, over the decoder's CPU time."""
+    alone = [0.0]
+    began = time.perf_counter()
+    _spin(began + seconds, alone)
+    runs = alone[0] / (time.perf_counter() - began)  # r: the share of the wall time the OS gave it
     stop = time.perf_counter() + seconds
-    spin_cpu = [0.0]
-
-    def spin() -> None:
-        began = time.thread_time()
-        while time.perf_counter() < stop:
-            pass
-        spin_cpu[0] = time.thread_time() - began
-
-    spinner = threading.Thread(target=spin)
+    beside = [0.0]
+    spinner = threading.Thread(target=_spin, args=(stop, beside))
     wall0 = time.perf_counter()
     spinner.start()
     cpu0, n = time.thread_time(), 0
@@ -106,9 +114,9 @@ def spinner_share(decode, seconds: float) -> dict[str, float]:
     decode_cpu = time.thread_time() - cpu0
     spinner.join()
     wall = time.perf_counter() - wall0
-    held = max(0.0, wall - spin_cpu[0])
+    held = max(0.0, runs * wall - beside[0])
     return {"f": min(1.0, held / decode_cpu), "held_ms": held * 1e3 / n, "cpu_ms": decode_cpu * 1e3 / n,
-            "decode_beside": n / wall}
+            "decode_beside": n / wall, "spinner_share_alone": runs}
 
 
 def processes_rate(case: str, processes: int, seconds: float) -> float:
@@ -130,6 +138,14 @@ def _child(case: str, start_at: float, seconds: float) -> None:
     while time.time() < start_at:
         time.sleep(0.001)
     print(json.dumps(threads_rate(decode, 1, seconds)))
+
+
+def scaling_f(row: dict[str, Any], cores: int) -> float | None:
+    """(b) read as f: Amdahl's law solved for f with the threads' speed-up over the parallelism the
+    host really gave (the processes' speed-up); None when the host gave too little to tell."""
+    host = min(row["rates"][f"processes_{cores}"] / row["rates"]["processes_1"], cores)
+    speedup = row["rates"][f"threads_{cores}"] / row["rates"]["threads_1"]
+    return None if host < 1.2 else min(1.0, max(0.0, (host / speedup - 1) / (host - 1)))
 
 
 def amdahl(f: float, n: int) -> float:
@@ -161,8 +177,10 @@ def report(rows: list[dict[str, Any]], argv: str, cores: int, loads: tuple[float
     lines = [f"Command: `{LOCK_HINT} .venv/bin/python bench/decode_gil.py {argv}`".replace(" `", "`", 0),
              "",
              f"Host: {machine()}; a host shared with other work, so each figure is the best of {repeats} "
-             f"repeats of {seconds:g} s, taken when the load average was low (1 min: {loads[0]:.1f} at the start, "
-             f"{loads[1]:.1f} at the end). Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
+             f"repeats of {seconds:g} s; load average (1 min) {loads[0]:.1f} at the start, {loads[1]:.1f} at the end"
+             + (" (a LOADED host: the others' work took cores meanwhile, which inflates f and flattens the "
+                "speed-ups)" if max(loads) >= 1.5 else " (a quiet moment)")
+             + f". Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
              f"| image (worker/serving/decode.decode_image) | CPU per image, one thread | GIL held: f, per image (each repeat's f) "
              f"| Amdahl bound: {cores} threads, any number | {cores} threads ÷ 1 thread, measured "
              f"| {cores} processes ÷ 1 process, measured | f from the two speed-ups |",
@@ -172,19 +190,27 @@ def report(rows: list[dict[str, Any]], argv: str, cores: int, loads: tuple[float
         t1, tn = r["rates"]["threads_1"], r["rates"][f"threads_{cores}"]
         p1, pn = r["rates"]["processes_1"], r["rates"][f"processes_{cores}"]
         bound = f"{1 / f:.1f}×" if f > 0.01 else "no bound"
-        host, speedup = min(pn / p1, cores), tn / t1
-        # Amdahl solved for f with the parallelism the host really gave (the processes' speed-up)
-        scaled = "–" if host < 1.2 else f"{min(1.0, max(0.0, (host / speedup - 1) / (host - 1))):.2f}"
+        scaled = "–" if (f_scaled := scaling_f(r, cores)) is None else f"{f_scaled:.2f}"
         lines.append(f"| {CASES[r['case']][0]} | {r['cpu_ms']:.3f} ms | {f:.2f}, {r['share']['held_ms']:.3f} ms "
                      f"({', '.join(f'{x:.2f}' for x in r['shares'])}) "
                      f"| {amdahl(f, cores):.2f}×, {bound} | {tn / t1:.2f}× ({t1:,.0f} → {tn:,.0f} img/s) "
                      f"| {pn / p1:.2f}× ({p1:,.0f} → {pn:,.0f} img/s) | {scaled} |")
     lines += ["", "f is the share of a decode's CPU time the decoder holds the GIL, measured beside a thread "
-              "running pure Python (the wall time that thread did not get, over the decoder's CPU time). A pool of N decode threads "
+              "running pure Python (the wall time that thread did not get, over the decoder's CPU time; an upper "
+              "bound: the GIL's hand-offs count as the decoder's). A pool of N decode threads "
               "can decode at most 1 / (f + (1 − f) / N) times as fast as one thread, and never more than 1 / f, "
               "however many cores; the processes' column is the same work with no GIL shared, the host's own "
               "limit (cores, memory bandwidth, other tenants), and the last column solves Amdahl's law for f "
               "from the threads' speed-up over the parallelism the processes got (– when they got little)."]
+    lines += ["", "What it implies for a pool of decode threads in one process, by Amdahl's law with the f of each "
+              "column (the spinner's, an upper bound, and the speed-ups', where measured):", ""]
+    for r in rows:
+        fs = [r["share"]["f"]] + [f for f in [scaling_f(r, cores)] if f is not None]
+        at = "; ".join(f"{n} threads at most " + " to ".join(f"{x:.1f}×" for x in sorted(amdahl(f, n) for f in fs))
+                       for n in sorted({cores, GPU_HOST_CORES}))
+        lines.append(f"- {CASES[r['case']][0]}: {at} one thread's rate")
+    lines += ["", f"({GPU_HOST_CORES} cores: the GPU host of issue #26.) Where that is well under the cores, decoding "
+              "in threads leaves cores idle, and only processes (or a decoder that never takes the GIL) use them all."]
     return "\n".join(lines) + "\n"
 
 

@@ -9,7 +9,6 @@ for rates (above 1: torchyard is ahead).
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,9 +173,11 @@ def _details(results: dict[str, Any]) -> list[str]:
                          f"{[round(s, 2) for s in j['epoch_seconds']]} s; queued {j['queued_s']:.2f} s, until epoch 1's "
                          f"record {j['until_first_s']:.2f} s, between epochs {j['between_s']:.2f} s, after the last "
                          f"{j['after_last_s']:.2f} s")
+        decode_ms = {t["draft"]: t["cpu_ms_per_image"] for t in r["decode_one"]["tried"]}
         for c, cell in r["predict"].items():
             cpu = ", ".join(f"{k[:-7]} {v:.3f}" for k, v in cell.items() if k.endswith("_cpu_ms"))
-            lines.append(f"- {m} /predict c={c}: {cell['requests']} requests; CPU ms per request: {cpu}")
+            lines.append(f"- {m} /predict c={c}: {cell['requests']} requests; CPU ms per request: {cpu} (the JPEG's "
+                         f"decode alone: {decode_ms[False]:.2f} ms of CPU without draft, {decode_ms[True]:.2f} with)")
         for c, cell in (r.get("litserve") or {}).items():
             lines.append(f"- {m} LitServe c={c}: best configuration {json.dumps(cell['config'])}")
     return lines
@@ -191,7 +192,7 @@ def build(results: dict[str, Any], argv: str) -> Report:
     a = results["args"]
     head = [f"Command: `{command}`  ",
             f"Host: {machine(gpu=cuda)}  ",
-            f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} in {results['seconds']:.0f} s; load average "
+            f"Measured {results['measured_at']} in {results['seconds']:.0f} s; load average "
             f"(1 min) {results['load_start']:.1f} at the start, {results['load_end']:.1f} at the end"
             + (" (a LOADED host: other work used the cores meanwhile, so the figures, the floors' as well as "
                "the service's, are lower and noisier than on a quiet host)" if max(results["load_start"], results["load_end"]) >= 1.5
@@ -206,6 +207,10 @@ def build(results: dict[str, Any], argv: str) -> Report:
               "LitServe, its time ÷ ours or our rate ÷ its rate (above 1: torchyard is ahead). "
               + (f"LitServe: best of {results.get('litserve_configs')} configurations per cell (bench/peers.py)."
                  if not results.get("litserve_note") else results["litserve_note"] + "."))
+    above = [row["what"] for row in rows if row["ratio"] is not None and row["ratio"] > 1]
+    if above:
+        legend += (" A ratio above 1 against a floor (" + "; ".join(above) + ") means the floor's own run was "
+                   "disturbed, this host's speed moving from one second to the next, not that the service beat it.")
     goal_lines = [f"- {'met' if g['met'] else 'NOT met' if g['met'] is False else 'not measured'}: {g['goal']}: "
                   f"{g['value']}" for g in goals]
     text = "\n".join(head + table + ["", legend, "", "Goals of issue #26 on this host:", ""] + goal_lines

@@ -248,6 +248,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 work / f"{name}.pt", sample, args.concurrency, args.seconds, work / "logs", configs, "photo.jpg",
                 "image/jpeg", device, "fp32", args.warmup, f"-{name}")
     results["seconds"] = time.perf_counter() - t0
+    results["measured_at"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results["load_end"] = load_average()
     return results
 
