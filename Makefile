@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint setup browser fuzz bench-train bench-predict gpu-smoke compose-test chaos clean
+.PHONY: run test lint setup browser fuzz bench-train bench-predict bench-gpu gpu-smoke compose-test chaos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,13 @@ bench-train: $(STAMP)
 
 bench-predict: $(STAMP)
 	$(BIN)/python bench/predict.py
+
+# Photos end to end (bench/photos.py): upload, two training jobs, /predict at 1/32/128 clients, the
+# floors and LitServe in the same run; resnet18 at 224 on a GPU host, its CPU twin elsewhere. No
+# set-up here: a GPU host runs it with its own python3 (scripts/gpu-bench.sh, docs/benchmarks.md).
+# BENCH_ARGS=--write-docs replaces this host's section of docs/benchmarks.md.
+bench-gpu:
+	scripts/gpu-bench.sh $(BENCH_ARGS)
 
 gpu-smoke: $(STAMP)
 	scripts/gpu-smoke.sh

@@ -39,7 +39,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.docs import write_section  # noqa: E402 (after the sys.path entry above)
-from bench.predict import EMPTY_APP, kill_group, make_checkpoint, multipart_request, sample_png, wait_http  # noqa: E402
+from bench.floors import make_checkpoint  # noqa: E402
+from bench.harness import kill_group, multipart_request, wait_http  # noqa: E402
+from bench.peers import EMPTY_APP  # noqa: E402
+from bench.predict import sample_png  # noqa: E402
 
 CONCURRENCY = (1, 32)
 MODEL = "cifar_net"

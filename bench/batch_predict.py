@@ -74,9 +74,10 @@ def raw_floor(checkpoint: Path, seconds: float) -> dict[str, Any]:
     """bench/predict.py's floor at batch RAW_BATCH (normalize + forward + softmax, eager and traced,
     each setting of threads × OpenMP waiting in a fresh process): {"images_s", "setting", "runs":
     {setting: img/s}}."""
-    from bench.predict import floor
+    from bench.floors import forward_floor
+    from bench.predict import FLOOR_SETTINGS
 
-    best = floor(checkpoint, RAW_BATCH, seconds)
+    best = forward_floor(checkpoint, [RAW_BATCH], seconds, FLOOR_SETTINGS)[RAW_BATCH]
     runs = {f"{r['threads']}, {r['omp']}, {r['graph']}": r["images_s"] for r in best["tried"]}
     return {"images_s": best["images_s"], "setting": f"{best['threads']}, {best['omp']}, {best['graph']}", "runs": runs}
 
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> str:
     load_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="torchyard-bench-batch-"))
     data_dir = work / "data"
-    from bench.predict import make_checkpoint  # random weights at the model's input size: speed needs no training
+    from bench.floors import make_checkpoint  # random weights at the model's input size: speed needs no training
 
     checkpoints = {m: make_checkpoint(data_dir, m) for m in args.models}
     archive = images_zip(args.images)

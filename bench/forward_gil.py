@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from bench.docs import write_section  # noqa: E402 (after the sys.path entry above)
-from bench.predict import make_checkpoint, sample_png  # noqa: E402
+from bench.floors import make_checkpoint  # noqa: E402
+from bench.predict import sample_png  # noqa: E402
 
 CELLS = (("cifar_net", 32), ("resnet18", 32), ("cifar_net", 1))
 

@@ -22,16 +22,9 @@ httpx client costs ~3 ms of CPU per request here and would distort the figures o
 from __future__ import annotations
 
 import argparse
-import asyncio
-import gc
 import io
 import json
 import os
-import platform
-import re
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,35 +34,19 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+# after the sys.path entry above
+from bench.docs import write_section  # noqa: E402
+from bench.floors import OMP_SETTINGS, forward_floor, make_checkpoint, thread_counts  # noqa: E402
+from bench.harness import load, machine, multipart_request, wait_http  # noqa: E402
+from bench.peers import LITSERVE_CONFIGS, empty_handlers, litserve_sweep  # noqa: E402
+
 MODELS = ("resnet18", "cifar_net")
 MAX_BATCH = 32
-BOUNDARY = "torchyardbenchboundary"
-from bench.docs import write_section  # noqa: E402 (after the sys.path entry above)
-
+FLOOR_SETTINGS = [(threads, policy) for threads in thread_counts() for policy in OMP_SETTINGS]
 LOAD_START = os.getloadavg()
 
 
 # ----------------------------------------------------------------------------- fixtures
-def make_checkpoint(data_dir: Path, model_name: str) -> tuple[str, Path]:
-    import torch
-
-    from core.storage import CheckpointPaths
-    from models.registry import build_model, get_model_spec
-    from worker.checkpoint import ModelMeta, Preprocessing, save_model
-
-    spec = get_model_spec(model_name).input
-    job_id = f"bench-{model_name.replace('_', '-')}"
-    torch.manual_seed(0)
-    model = build_model(model_name, 10).eval()
-    meta = ModelMeta(model_name, 10, [f"class{i}" for i in range(10)],
-                     Preprocessing(spec.channels, spec.height, spec.width, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)),
-                     job_id)
-    path = CheckpointPaths(data_dir / "checkpoints").final(job_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_model(path, model, meta)
-    return job_id, path
-
-
 def sample_png() -> bytes:
     import numpy as np
     from PIL import Image
@@ -80,281 +57,7 @@ def sample_png() -> bytes:
     return buffer.getvalue()
 
 
-def multipart_request(port: int, path: str, png: bytes, fields: dict[str, str]) -> bytes:
-    parts = [f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
-             for k, v in fields.items()]
-    parts.append(f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; filename="x.png"\r\n'
-                 f"Content-Type: image/png\r\n\r\n".encode() + png + b"\r\n")
-    body = b"".join(parts) + f"--{BOUNDARY}--\r\n".encode()
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: keep-alive\r\n"
-            f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\nContent-Length: {len(body)}\r\n\r\n")
-    return head.encode() + body
-
-
-# ----------------------------------------------------------------------------- (a) the floor
-def raw_forward(checkpoint: Path, batch: int, seconds: float, graph: str) -> dict[str, float]:
-    """In this process, with whatever threads and OpenMP policy it was started with: normalize +
-    forward + softmax eagerly (`graph="eager"`, the classic script), or the worker's traced serving
-    graph of the same operators (`"traced"`, worker/forward_graph.py), whichever is asked."""
-    import torch
-
-    from worker.checkpoint import load_model
-    from worker.forward_graph import build_forward
-    from worker.preprocess import normalize, stats_tensors
-
-    model, meta = load_model(checkpoint, "cpu")
-    mean, std = stats_tensors(meta.preprocessing, "cpu")
-    pre = meta.preprocessing
-    x = torch.randint(0, 256, (batch, pre.channels, pre.height, pre.width), dtype=torch.uint8)
-    if graph == "traced":
-        traced = build_forward(model, pre, "cpu")
-        assert traced.kind == "torchscript"
-        run = traced.run
-    else:
-        def run(images: torch.Tensor) -> torch.Tensor:
-            return torch.softmax(model(normalize(images, mean, std)), dim=1)
-    times: list[float] = []
-    with torch.inference_mode(), torch.jit.optimized_execution(False):
-        for _ in range(20):
-            run(x)
-        cpu0 = time.process_time()
-        stop = time.perf_counter() + seconds
-        while time.perf_counter() < stop:
-            t0 = time.perf_counter()
-            run(x)
-            times.append(time.perf_counter() - t0)
-        cpu = time.process_time() - cpu0
-    return {"p50_ms": statistics.median(times) * 1e3, "images_s": batch / statistics.mean(times),
-            "cpu_us_per_image": cpu * 1e6 / (batch * len(times))}
-
-
-GRAPHS = ("eager", "traced")
-# OpenMP's waiting between operators: libgomp's default, no spin at all, a short spin.
-OMP_SETTINGS = {"default": {}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
-                "GOMP_SPINCOUNT=30000": {"GOMP_SPINCOUNT": "30000"}}
-FLOOR_SETTINGS = [(threads, policy) for threads in sorted({1, os.cpu_count() or 1}) for policy in OMP_SETTINGS]
-
-
-def floor(checkpoint: Path, batch: int, seconds: float) -> dict:
-    """The best of FLOOR_SETTINGS × GRAPHS, each setting in a fresh process (both graphs, one after
-    the other, in it); every figure kept."""
-    tried: list[dict[str, Any]] = []
-    for threads, policy in FLOOR_SETTINGS:
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
-        out = subprocess.run([sys.executable, __file__, "--floor", str(checkpoint), str(batch), str(threads),
-                              str(seconds)], env={**env, **OMP_SETTINGS[policy]}, cwd=REPO, check=True,
-                             capture_output=True, text=True).stdout
-        tried.extend({**measured, "threads": threads, "omp": policy}
-                     for measured in json.loads(out.strip().splitlines()[-1]))
-    key = (lambda r: r["p50_ms"]) if batch == 1 else (lambda r: -r["images_s"])
-    return {**min(tried, key=key), "tried": tried}
-
-
-def floor_main(checkpoint: str, batch: int, threads: int, seconds: float) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-    print(json.dumps([{**raw_forward(Path(checkpoint), batch, seconds, graph), "graph": graph} for graph in GRAPHS]))
-
-
-# ----------------------------------------------------------------------------- load client
-async def _one_connection(port: int, request: bytes, stop_at: float, latencies: list[float],
-                          errors: list[str]) -> None:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        while time.perf_counter() < stop_at:
-            t0 = time.perf_counter()
-            writer.write(request)
-            head = await reader.readuntil(b"\r\n\r\n")
-            match = re.search(rb"(?i)content-length:\s*(\d+)", head)
-            if match is None:
-                raise RuntimeError(f"a response without Content-Length: {head[:200]!r}")
-            length = int(match.group(1))
-            body = await reader.readexactly(length)
-            if not head.startswith(b"HTTP/1.1 200"):
-                errors.append(head.split(b"\r\n")[0].decode() + " " + body[:200].decode(errors="replace"))
-                await asyncio.sleep(0.05)
-                continue
-            latencies.append(time.perf_counter() - t0)
-    finally:
-        writer.close()
-
-
-async def _load(port: int, request: bytes, concurrency: int, seconds: float) -> dict[str, float]:
-    warm: list[float] = []
-    errors: list[str] = []
-    await asyncio.gather(*(_one_connection(port, request, time.perf_counter() + 1.0, warm, errors)
-                           for _ in range(concurrency)))
-    latencies: list[float] = []
-    start = time.perf_counter()
-    await asyncio.gather(*(_one_connection(port, request, start + seconds, latencies, errors)
-                           for _ in range(concurrency)))
-    elapsed = time.perf_counter() - start
-    if errors:
-        raise RuntimeError(f"{len(errors)} failed requests, first: {errors[0]}")
-    latencies.sort()
-    return {"p50_ms": latencies[len(latencies) // 2] * 1e3,
-            "p99_ms": latencies[min(len(latencies) - 1, int(len(latencies) * 0.99))] * 1e3,
-            "images_s": len(latencies) / elapsed, "requests": len(latencies), "all_requests": len(latencies) + len(warm)}
-
-
-def load(port: int, request: bytes, concurrency: int, seconds: float,
-         pids: dict[str, int] | None = None) -> dict[str, float]:
-    """Closed-loop load; with `pids`, also the CPU each process (and its children: API processes)
-    spent per request, which is robust to a busy host. Always the load client's own CPU per request
-    (`client_cpu_ms`, this process): it shares the cores with what it measures."""
-    import psutil
-
-    def cpu(proc: psutil.Process) -> float:
-        return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
-
-    # This process has imported torch and built the checkpoints: a full collection over all that
-    # stalled every client at once for ~100 ms (seen in an open-loop run as a 130 ms hole in the
-    # requests the API received). Frozen, the collector leaves it alone, as the service's does.
-    gc.freeze()
-    procs = {name: psutil.Process(pid) for name, pid in (pids or {}).items()}
-    before = {name: cpu(p) for name, p in procs.items()}
-    client_before = time.process_time()
-    result = asyncio.run(_load(port, request, concurrency, seconds))
-    result["client_cpu_ms"] = (time.process_time() - client_before) * 1e3 / result["all_requests"]
-    for name, p in procs.items():
-        result[f"{name}_cpu_ms"] = (cpu(p) - before[name]) * 1e3 / result["all_requests"]
-    return result
-
-
-def wait_http(port: int, path: str, timeout: float = 90) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"nothing answered 200 on :{port}{path}")
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """LitServe leaves its inference and API children behind on SIGINT: end the whole group."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(15)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-
-
-# ----------------------------------------------------------------------------- (c) LitServe
-def _litserve_api():
-    """The same checkpoint, preprocessing and forward behind LitServe (module level: LitServe
-    pickles the API into its spawned inference process)."""
-    import litserve as ls
-    import numpy as np
-    import torch
-    from PIL import Image
-
-    from worker.checkpoint import load_model
-    from worker.preprocess import image_to_array, normalize, stats_tensors
-
-    class ClassifierAPI(ls.LitAPI):
-        def setup(self, device):
-            self.model, self.meta = load_model(Path(os.environ["BENCH_CHECKPOINT"]), "cpu")
-            self.mean, self.std = stats_tensors(self.meta.preprocessing, "cpu")
-
-        def decode_request(self, request):
-            pre = self.meta.preprocessing
-            upload = request["file"]
-            data = upload.file.read() if hasattr(upload, "file") else upload
-            with Image.open(io.BytesIO(data)) as image:
-                return image_to_array(image, pre.channels, pre.height, pre.width)
-
-        def batch(self, inputs):
-            return torch.from_numpy(np.stack(inputs))
-
-        def predict(self, x):
-            with torch.inference_mode():
-                if isinstance(x, np.ndarray):  # batching off: one decoded image, `batch` not called
-                    return torch.softmax(self.model(normalize(torch.from_numpy(x)[None], self.mean, self.std)),
-                                         dim=1)[0]
-                return torch.softmax(self.model(normalize(x, self.mean, self.std)), dim=1)
-
-        def unbatch(self, output):
-            return list(output)
-
-        def encode_response(self, probs):
-            values, indices = probs.topk(5)
-            return {"predictions": [{"label": self.meta.classes[i], "index": i, "probability": p}
-                                    for p, i in zip(values.tolist(), indices.tolist(), strict=True)]}
-
-    ClassifierAPI.__qualname__ = "ClassifierAPI"  # picklable as <main module>.ClassifierAPI
-    return ClassifierAPI
-
-
-if os.environ.get("BENCH_CHECKPOINT"):  # the LitServe server and its spawned children
-    ClassifierAPI = _litserve_api()
-
-# LitServe's documented knobs for throughput: fast_queue (ZeroMQ between its API and inference
-# processes), workers per device, and batching; every combination is measured, the best kept.
-LITSERVE_CONFIGS = [{"fast_queue": fq, "workers_per_device": w, "batching": b}
-                    for fq in (True, False) for w in (1, 2) for b in (True, False)]
-
-
-def litserve_main(port: int, config: dict) -> None:
-    import litserve as ls
-
-    api = (ClassifierAPI(max_batch_size=MAX_BATCH, batch_timeout=0.002) if config["batching"]
-           else ClassifierAPI())
-    server = ls.LitServer(api, accelerator="cpu", workers_per_device=config["workers_per_device"],
-                          fast_queue=config["fast_queue"])
-    server.run(port=port, generate_client_file=False, log_level="warning")
-
-
-# ----------------------------------------------------------------------------- (d) empty FastAPI handlers
-EMPTY_APP = """
-import sys
-import uvicorn
-from fastapi import FastAPI, File, Form, Request, UploadFile
-from fastapi.responses import Response
-
-app = FastAPI()
-ANSWER = Response(b'{"ok":true}', media_type="application/json")
-
-@app.post("/form")
-async def form(file: UploadFile = File(), job_id: str = Form(), top_k: int = Form(5)):
-    await file.read()
-    return Response(b'{"ok":true}', media_type="application/json")
-
-@app.post("/raw")
-async def raw(request: Request):
-    await request.body()
-    return Response(b'{"ok":true}', media_type="application/json")
-"""
-
-
-def empty_main(port: int, workers: int, app_dir: str) -> None:
-    import uvicorn
-
-    uvicorn.run("predict_empty_app:app", host="127.0.0.1", port=port, workers=workers, http="httptools",
-                access_log=False, log_level="warning", app_dir=app_dir)
-
-
 # ----------------------------------------------------------------------------- the run
-def machine() -> str:
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return (f"{cpu}, {os.cpu_count()} cores, {platform.system()} {platform.release()}, Python "
-            f"{platform.python_version()}, torch {torch.__version__}")
-
-
 HEARTBEAT_S = 1.0  # the service's heartbeat interval in this bench (TORCHYARD_HEARTBEAT_INTERVAL_S)
 
 
@@ -367,12 +70,6 @@ def batch_histogram(port: int) -> dict[int, int]:
     time.sleep(HEARTBEAT_S + 0.3)
     device = httpx.get(f"http://127.0.0.1:{port}/devices").json()["devices"][0]
     return {int(k): v for k, v in (device.get("inference") or {}).get("batch_size_histogram", {}).items()}
-
-
-def serve(work: Path, name: str, argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    log = open(work / "logs" / f"{name}.log", "ab")  # noqa: SIM115 - the server's stdout for its life
-    return subprocess.Popen([sys.executable, __file__, *argv], cwd=REPO, env={**os.environ, **(env or {})},
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def run(args: argparse.Namespace) -> str:
@@ -389,11 +86,11 @@ def run(args: argparse.Namespace) -> str:
     api_workers = Settings().api_workers
 
     # (a) first, with nothing else of ours alive
-    raw = {model: {c: floor(path, c, args.seconds) for c in (1, MAX_BATCH)} for model, (_, path) in checkpoints.items()}
+    raw = {model: {c: forward_floor(path, [c], args.seconds, FLOOR_SETTINGS)[c] for c in (1, MAX_BATCH)}
+           for model, (_, path) in checkpoints.items()}
     print(f"floors: {json.dumps(raw)}", file=sys.stderr)
 
     # (b) the service
-    import httpx
     import redis
 
     service: dict[str, dict[int, dict]] = {}
@@ -409,7 +106,7 @@ def run(args: argparse.Namespace) -> str:
     try:
         worker = procs.worker("cpu")
         api = procs.api(port)
-        wait_http(port, "/readyz")
+        wait_http(port, "/readyz", proc=api)
         assert redis_server.process is not None
         pids = {"api": api.pid, "worker": worker.pid, "redis": redis_server.process.pid}
         for model, (job_id, _) in checkpoints.items():
@@ -427,47 +124,12 @@ def run(args: argparse.Namespace) -> str:
 
     # (d) empty FastAPI handlers, right after (b): the host's speed drifts over minutes, and (b)/(d)
     # is a ratio of two cells (once 8 minutes of LitServe apart, with API CPU per request 20 % apart)
-    empty: dict[str, dict[str, float]] = {}
-    (work / "predict_empty_app.py").write_text(EMPTY_APP)  # an import string for uvicorn's workers
-    empty_port = free_port()
-    proc = serve(work, "empty-fastapi", ["--empty-server", str(empty_port), str(api_workers), str(work)])
-    try:
-        for _ in range(300):
-            try:
-                httpx.post(f"http://127.0.0.1:{empty_port}/raw", timeout=1)
-                break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        for kind in ("form", "raw"):
-            request = multipart_request(empty_port, f"/{kind}", png, {"job_id": "x", "top_k": "5"})
-            empty[kind] = load(empty_port, request, MAX_BATCH, args.seconds, {"api": proc.pid})
-            print(f"empty {kind}: {empty[kind]}", file=sys.stderr)
-    finally:
-        kill_group(proc)
+    empty = empty_handlers(work, png, api_workers, MAX_BATCH, args.seconds)
 
     # (c) LitServe, one configuration alive at a time
     lit: dict[str, dict[int, dict]] = {}
     for model, (_, path) in ([] if args.skip_litserve else checkpoints.items()):
-        for config in LITSERVE_CONFIGS:
-            lit_port = free_port()
-            proc = serve(work, f"litserve-{model}", ["--litserve-server", str(lit_port), json.dumps(config)],
-                         {"BENCH_CHECKPOINT": str(path)})
-            try:
-                wait_http(lit_port, "/health")
-                request = multipart_request(lit_port, "/predict", png, {})
-                for c in (1, MAX_BATCH):
-                    try:
-                        cell: dict[str, Any] = {**load(lit_port, request, c, args.seconds), "config": config}
-                    except RuntimeError as exc:  # a configuration that fails is reported, not fatal
-                        print(f"{model} c={c} litserve {config}: failed: {exc}", file=sys.stderr)
-                        continue
-                    print(f"{model} c={c} litserve {config}: {cell}", file=sys.stderr)
-                    best = lit.setdefault(model, {}).get(c)
-                    if best is None or ((cell["p50_ms"] < best["p50_ms"]) if c == 1
-                                        else (cell["images_s"] > best["images_s"])):
-                        lit[model][c] = cell
-            finally:
-                kill_group(proc)
+        lit[model] = litserve_sweep(path, png, [1, MAX_BATCH], args.seconds, work / "logs", label=f"-{model}")
 
     return report(args, raw, service, lit, empty, api_workers)
 
@@ -535,7 +197,7 @@ def report(args, raw, service, lit, empty, api_workers) -> str:
             floors.append(f"| {model} | {c} | {f['threads']} threads, {f['omp']}, {f['graph']} | {every} |")
     peers = ["| model | concurrency | LitServe's best configuration |", "|---|---|---|"]
     for model in lit:
-        for c in (1, MAX_BATCH):
+        for c in sorted(lit[model]):
             peers.append(f"| {model} | {c} | {json.dumps(lit[model][c]['config'])} |")
     cpu = ["| model | concurrency | API CPU per request | worker CPU per request | Redis CPU per request | "
            "worker CPU per image outside the forward |", "|---|---|---|---|---|---|"]
@@ -651,19 +313,7 @@ def main() -> None:
     parser.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
     parser.add_argument("--skip-litserve", action="store_true")
     parser.add_argument("--write-docs", action="store_true", help="replace the predict section of docs/benchmarks.md")
-    parser.add_argument("--litserve-server", nargs=2, metavar=("PORT", "CONFIG"), help=argparse.SUPPRESS)
-    parser.add_argument("--empty-server", nargs=3, metavar=("PORT", "WORKERS", "APP_DIR"), help=argparse.SUPPRESS)
-    parser.add_argument("--floor", nargs=4, metavar=("CHECKPOINT", "BATCH", "THREADS", "SECONDS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.litserve_server:
-        litserve_main(int(args.litserve_server[0]), json.loads(args.litserve_server[1]))
-        return
-    if args.empty_server:
-        empty_main(int(args.empty_server[0]), int(args.empty_server[1]), args.empty_server[2])
-        return
-    if args.floor:
-        floor_main(args.floor[0], int(args.floor[1]), int(args.floor[2]), float(args.floor[3]))
-        return
     text = run(args)
     print(text)
     if args.write_docs:

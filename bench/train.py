@@ -28,10 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +37,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from bench.docs import write_section  # noqa: E402 (after the sys.path entry above)
+# after the sys.path entry above
+from bench.docs import write_section  # noqa: E402
+from bench.floors import OMP_SETTINGS, clean_env, thread_counts  # noqa: E402
+from bench.harness import fresh_json, machine  # noqa: E402
+from bench.stack import Service  # noqa: E402
 
 LR, MOMENTUM = 0.001, 0.9
 SERVICE_BATCH = 128  # the service's CPU default
@@ -56,9 +57,6 @@ OMP_NOTE = ("This host's speed moves by a third from minute to minute (other ten
             "/predict forward it gives the cores back to the replies, Redis and the API (resnet18 at 32 "
             "clients: about a fifth more images/s, a quarter less worker CPU), so the worker starts with it "
             "(worker/device.openmp_environment) unless the operator set `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY`.")
-# OpenMP's waiting between operators: libgomp's default, no spin at all, a short spin.
-OMP_SETTINGS = {"default": {}, "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
-                "GOMP_SPINCOUNT=30000": {"GOMP_SPINCOUNT": "30000"}}
 
 
 # ----------------------------------------------------------------------------- data
@@ -179,11 +177,8 @@ def floor(model_name: str, n: int, epochs: int, settings: list[tuple[int, str]])
     """The tight loop in a fresh process per (threads, OpenMP policy): each setting's epochs."""
     tried = []
     for threads, policy in settings:
-        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
-        out = subprocess.run([sys.executable, __file__, "--tight", model_name, str(n), str(epochs), str(threads)],
-                             env={**env, **OMP_SETTINGS[policy]}, cwd=REPO, check=True, capture_output=True,
-                             text=True).stdout
-        epochs_seen = json.loads(out.strip().splitlines()[-1])
+        epochs_seen = fresh_json([__file__, "--tight", model_name, str(n), str(epochs), str(threads)],
+                                 clean_env(policy))
         tried.append({"threads": threads, "omp": policy, "epochs": epochs_seen,
                       "images_per_second": max(epochs_seen[1:] or epochs_seen)})
         print(f"  floor {model_name} {threads} threads, OpenMP {policy}: {epochs_seen}", flush=True)
@@ -198,94 +193,9 @@ def tight_main(model_name: str, n: int, epochs: int, threads: int) -> None:
     print(json.dumps(tight_loop(model_name, images, labels, epochs, SERVICE_BATCH)["epochs"]))
 
 
-# ----------------------------------------------------------------------------- (c) service
-class Service:
-    """The service as real processes: embedded Redis, one CPU worker, the API."""
-
-    def __init__(self, data_dir: Path, logs: Path, threads: int | None) -> None:
-        self.data_dir, self.logs, self.threads = data_dir, logs, threads
-        self.procs: list[subprocess.Popen] = []
-
-    def __enter__(self) -> Service:
-        import httpx
-
-        from app.embedded_redis import EmbeddedRedis
-        from tests.support import free_port, wait_until
-
-        self.redis = EmbeddedRedis(self.data_dir / "redis")
-        self.redis.start()
-        env = {**os.environ, "TORCHYARD_REDIS_URL": self.redis.url, "TORCHYARD_DATA_DIR": str(self.data_dir),
-               "TORCHYARD_VERIFY_BUILTIN_CHECKSUMS": "false", "PYTHONUNBUFFERED": "1"}
-        env.pop("TORCHYARD_API_KEY", None)
-        if self.threads:
-            env["OMP_NUM_THREADS"] = str(self.threads)  # the worker's torch intra-op threads
-        port = free_port()
-        self.logs.mkdir(parents=True, exist_ok=True)
-        for name, args in (("worker", ["worker", "--device", "cpu"]), ("api", ["api"])):
-            log = open(self.logs / f"{name}.log", "ab")
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "app.cli", *args], cwd=REPO,
-                                               env={**env, "TORCHYARD_PORT": str(port)}, stdout=log,
-                                               stderr=subprocess.STDOUT, start_new_session=True))
-        self.client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
-        try:
-            wait_until(lambda: self.client.get("/readyz").status_code == 200, timeout=120, what="the service")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def job(self, model_name: str, epochs: int, batch: int) -> list[float]:
-        """Submit a job over HTTP, wait for it; the worker's images/s per epoch."""
-        from tests.support import wait_until
-
-        # The tight loop's own step: SGD with momentum, no weight decay, a constant rate.
-        spec = {"model": model_name, "dataset": "cifar10", "epochs": epochs, "batch_size": batch,
-                "optimizer": "sgd", "learning_rate": LR, "weight_decay": 0.0, "schedule": "constant",
-                "val_fraction": 0.0, "device": "cpu"}
-        created = self.client.post("/jobs", json=spec)
-        created.raise_for_status()
-        job_id = created.json()["id"]
-
-        def finished():
-            job = self.client.get(f"/jobs/{job_id}").json()
-            return job if job["status"] in ("succeeded", "failed", "cancelled") else None
-
-        job = wait_until(finished, timeout=3600, interval=0.5, what="the benchmark job")
-        if job["status"] != "succeeded":
-            raise RuntimeError(f"benchmark job {job['status']}: {job['error']}")
-        return [m["images_per_second"] for m in job["metrics"]]
-
-    def __exit__(self, *exc: object) -> None:
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-        self.redis.stop()
-
-
 # ----------------------------------------------------------------------------- report
-def machine() -> str:
-    import torch
-
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return (f"{cpu}, {os.cpu_count()} cores (torch's default: {torch.get_num_threads()} threads), "
-            f"{platform.system()} {platform.release()}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}")
-
-
 def report(command: str, n: int, results: dict[str, dict], load: tuple[float, float]) -> str:
-    lines = [f"Command: `{command}`", "", f"Machine: {machine()}. Load average (1 min) at start and end of "
+    lines = [f"Command: `{command}`", "", f"Machine: {machine(torch_threads=True)}. Load average (1 min) at start and end of "
              f"the run: {load[0]:.1f}, {load[1]:.1f}.", "",
              f"Data: {n} generated CIFAR-like images (3×32×32, 10 classes), the same tensor in every row; "
              "the service reads it through torchvision's CIFAR10 class. SGD lr 0.001 momentum 0.9, batch 128.", "",
@@ -327,6 +237,12 @@ def report(command: str, n: int, results: dict[str, dict], load: tuple[float, fl
     return "\n".join(lines)
 
 
+def job_spec(model_name: str, epochs: int, batch: int) -> dict:
+    """The tight loop's own step: SGD with momentum, no weight decay, a constant rate."""
+    return {"model": model_name, "dataset": "cifar10", "epochs": epochs, "batch_size": batch, "optimizer": "sgd",
+            "learning_rate": LR, "weight_decay": 0.0, "schedule": "constant", "val_fraction": 0.0, "device": "cpu"}
+
+
 def write_docs(text: str) -> None:
     write_section("train", "Training", text)
 
@@ -355,7 +271,7 @@ def main() -> None:
 
     load_before = os.getloadavg()[0]
     models = args.models.split(",")
-    settings = [(t, p) for t in sorted({1, os.cpu_count() or 1}) for p in OMP_SETTINGS]
+    settings = [(t, p) for t in thread_counts() for p in OMP_SETTINGS]
     images, labels = make_data(n)
     results: dict[str, dict] = {}
     work = Path(tempfile.mkdtemp(prefix="torchyard-bench-train-"))
@@ -385,7 +301,7 @@ def main() -> None:
                 setting = [(best["threads"], best["omp"])] * args.round_repeats
                 before = floor(model, n, epochs, setting)
                 with Service(work / "data", work / "logs", None) as service:
-                    jobs.append(service.job(model, epochs, SERVICE_BATCH))
+                    jobs.append(service.job(job_spec(model, epochs, SERVICE_BATCH)))
                 repeats = before + floor(model, n, epochs, setting)
                 again = max(repeats, key=lambda t: t["images_per_second"])
                 b["tried"].append({**again, "after": True, "repeats": [t["images_per_second"] for t in repeats]})
