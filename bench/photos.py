@@ -164,6 +164,13 @@ def say(what: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {what}", flush=True)
 
 
+def keep_so_far(args: argparse.Namespace, results: dict[str, Any]) -> None:
+    """The figures measured so far, to --json: a run cut short (a lent GPU host's time is counted)
+    still leaves them."""
+    if args.json:
+        args.json.write_text(json.dumps({"results": results, "partial": True}, default=str))
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
 
@@ -194,6 +201,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         r["forward"] = forward_floor(checkpoint, BATCHES, args.floor_seconds, settings, device, floor_precisions)
         r["decode_all"] = decode_ceiling(work / "sample.jpg", size, size, args.decode_seconds, cores)
         r["decode_one"] = decode_ceiling(work / "sample.jpg", size, size, args.decode_seconds, 1)
+        keep_so_far(args, results)
 
     env = {"TORCHYARD_DEVICES": gpu_index() if cuda else "cpu"}
     with UpStack(work / "data", work / "logs" / "up.log", env) as stack:
@@ -215,6 +223,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             for key in ("job1", "job2"):
                 say(f"[{name}@{size}] {key} ...")
                 r[key] = train_job(stack.client, spec)
+                keep_so_far(args, results)
             request = multipart_request(stack.port, "/predict", sample, {"job_id": r["job1"]["id"], "top_k": "5"},
                                         "photo.jpg", "image/jpeg")
             r["predict"] = {}
@@ -222,6 +231,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             for c in args.concurrency:
                 say(f"[{name}@{size}] /predict c={c} ...")
                 r["predict"][c] = load(stack.port, request, c, args.seconds, pids, warmup=args.warmup)
+                keep_so_far(args, results)
             ckpt = stack.client.get(f"/jobs/{r['job1']['id']}/checkpoint")
             ckpt.raise_for_status()
             (work / f"{name}.pt").write_bytes(ckpt.content)
@@ -237,6 +247,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                         "channels_last": p.get("channels_last", False),
                                         "epochs": max(3, args.epochs + 1)},
                                        [cores] if cuda or args.tiny else sorted({1, cores}))
+        keep_so_far(args, results)
     missing = litserve_missing()
     results["litserve_note"] = "LitServe skipped (--litserve skip)" if args.litserve == "skip" else missing
     if results["litserve_note"] is None:
