@@ -28,6 +28,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import redis
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.001  # the longest sleep between two polls of the list while a batch fills
 POLL_MIN_S = 0.0002  # while a batch waits for the device, or while requests are arriving
+REPLY_THREADS = 2  # one answers a batch while the next one's answers may already be due
 
 
 class InferenceServer:
@@ -71,6 +73,10 @@ class InferenceServer:
         self.stats = InferenceStats(cache.stats)
         self.window = BatchWindow(max_batch, max_wait_ms / 1000)
         self.decoder = Decoder(decode_threads or usable_cores(), max_pixels)
+        # Replies are sent from threads of their own while the device computes the next batch; torch
+        # ops there (top-k) must not start an OpenMP team (worker/cpu_threads.py).
+        self._replies = ThreadPoolExecutor(REPLY_THREADS, thread_name_prefix="torchyard-replies",
+                                           initializer=pin_to_one_thread)
         self._halt = threading.Event()
         self._warms: list[WarmRequest] = []  # taken off the list with the requests, served after them
         self.device_loop = DeviceLoop(
@@ -99,6 +105,7 @@ class InferenceServer:
         self._intake_thread.join(timeout)
         self.device_loop.join(timeout)
         self.decoder.shutdown()
+        self._replies.shutdown(wait=False, cancel_futures=True)
 
     def release_cores(self, timeout_s: float = 10.0) -> None:
         """Before a job starts (`job_running` is true by now): wait until a CPU device's forward has
@@ -213,7 +220,7 @@ class InferenceServer:
 
     def _answer_later(self, group: PreparedGroup, probabilities: torch.Tensor) -> None:
         """On a pool thread, while the device computes the next batch."""
-        self.decoder.pool.submit(self._answer, group, probabilities)
+        self._replies.submit(self._answer, group, probabilities)
 
     def _serve_warms(self) -> None:
         """Load each warmed job's model (an alias is about to move to it) and say when it is resident."""
