@@ -3,8 +3,8 @@
 Decoding is most of the CPU a prediction costs on a fast device, so it never runs on the thread
 that feeds the device, and it uses the cores the worker is given: a batch's images are split
 into chunks, decoded by processes of their own (worker/serving/decode_processes.py: a photo's
-decode holds the GIL for too large a share for threads to scale) while the intake thread decodes
-the last chunk itself. Images are decoded at the size the model needs (worker/preprocess.py:
+decode holds the GIL for too large a share for threads to scale), while the intake thread takes
+the next batch off the list and hands it to the processes in turn. Images are decoded at the size the model needs (worker/preprocess.py:
 libjpeg's scaled decoding through `Image.draft` for JPEG), with the checkpoint's preprocessing,
 the training evaluation transform.
 
@@ -14,12 +14,12 @@ array back, so `DecodeSplit` keeps such images on the intake thread alone.
 
 from __future__ import annotations
 
-import time
+from concurrent.futures import Future
 
 import numpy as np
 
 from worker.checkpoint import ModelMeta
-from worker.serving.decode_processes import DecodeProcesses, Refused, Spec, decode_chunk, decode_one
+from worker.serving.decode_processes import Chunk, DecodeProcesses, Refused, Spec, decode_chunk, decode_one
 
 
 class BadImage(Exception):
@@ -68,36 +68,56 @@ class DecodeSplit:
         return min(self.threads, images)
 
     def observe(self, cpu_s: float, images: int) -> None:
-        """The calling thread's share of a batch: `images` decoded in `cpu_s` of its CPU time."""
+        """A batch's `images` decoded in `cpu_s` of CPU time (the intake's or the processes')."""
         if images <= 0:
             return
         one = cpu_s / images
         self.image_s = one if self.image_s is None else self.image_s + self.WEIGHT * (one - self.image_s)
 
 
+class PendingDecode:
+    """A batch's images on their way: decoded already (cheap images, on the intake thread), or in
+    chunks over the decoding processes, collected in order by `result`."""
+
+    def __init__(self, decoder: Decoder, spec: Spec, parts: list[list[bytes]], futures: list[Future[Chunk]],
+                 done: list[Chunk] | None = None) -> None:
+        self.decoder, self.spec, self.parts, self.futures, self.done = decoder, spec, parts, futures, done
+
+    def result(self) -> list[np.ndarray | BadImage]:
+        chunks = self.done if self.done is not None else self.decoder.processes.gather(self.parts, self.futures,
+                                                                                       self.spec)
+        decoded: list[np.ndarray | BadImage] = []
+        for chunk in chunks:
+            decoded.extend(row if failure is None else BadImage(failure[1], failure[0])
+                           for row, failure in zip(chunk.rows, chunk.failures, strict=True))
+        if self.done is None:
+            self.decoder.split.observe(sum(c.cpu_s for c in chunks), len(decoded))
+        return decoded
+
+
 class Decoder:
-    """A batch's images decoded in order: one contiguous chunk per core, the last on the calling
-    thread while the decoding processes do the others (a lone image never leaves the intake)."""
+    """A batch's images decoded in order: on the intake thread while they are cheap, else one
+    contiguous chunk per decoding process, so the intake can take the next batch off the list
+    while they decode (a lone image never leaves the intake)."""
 
-    def __init__(self, cores: int, max_pixels: int) -> None:
+    def __init__(self, processes: int, max_pixels: int) -> None:
         self.max_pixels = max_pixels
-        self.split = DecodeSplit(cores)
-        self.processes = DecodeProcesses(max(1, cores - 1), max_pixels)
+        self.split = DecodeSplit(processes)
+        self.processes = DecodeProcesses(processes, max_pixels)
 
-    def decode_all(self, data: list[bytes], meta: ModelMeta) -> list[np.ndarray | BadImage]:
+    def start(self, data: list[bytes], meta: ModelMeta) -> PendingDecode:
         spec = spec_of(meta)
         chunks = self.split.chunks(len(data))
+        if chunks <= 1:
+            chunk = decode_chunk(data, spec, self.max_pixels)
+            self.split.observe(chunk.cpu_s, len(data))
+            return PendingDecode(self, spec, [data], [], done=[chunk])
         size = -(-len(data) // chunks)
         parts = [data[i:i + size] for i in range(0, len(data), size)]
-        pending = [self.processes.submit(part, spec) for part in parts[:-1]]
-        began = time.thread_time()
-        mine = decode_chunk(parts[-1], spec, self.max_pixels)
-        self.split.observe(time.thread_time() - began, len(parts[-1]))
-        decoded: list[np.ndarray | BadImage] = []
-        for rows, failures in [*self.processes.gather(parts[:-1], pending, spec), mine]:
-            for row, failure in zip(rows, failures, strict=True):
-                decoded.append(row if failure is None else BadImage(failure[1], failure[0]))
-        return decoded
+        return PendingDecode(self, spec, parts, [self.processes.submit(part, spec) for part in parts])
+
+    def decode_all(self, data: list[bytes], meta: ModelMeta) -> list[np.ndarray | BadImage]:
+        return self.start(data, meta).result()
 
     def shutdown(self) -> None:
         self.processes.shutdown()

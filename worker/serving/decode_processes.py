@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from multiprocessing.context import BaseContext
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
@@ -71,9 +72,18 @@ class Refused(ValueError):
         self.status, self.detail = status, detail
 
 
-def decode_chunk(blobs: Sequence[bytes], spec: Spec, max_pixels: int) -> tuple[np.ndarray, list[Failure | None]]:
-    """In a decoding process: the chunk's rows (a refused image's row left as it was) and, per
-    image, None or (status, detail)."""
+class Chunk(NamedTuple):
+    """A chunk decoded: its rows (a refused image's row left as it was), per image None or
+    (status, detail), and the CPU seconds it took (what decides the next batches' split)."""
+
+    rows: np.ndarray
+    failures: list[Failure | None]
+    cpu_s: float
+
+
+def decode_chunk(blobs: Sequence[bytes], spec: Spec, max_pixels: int) -> Chunk:
+    """Decode `blobs` at `spec`, in a decoding process or in the calling thread."""
+    began = time.thread_time()
     channels, height, width, _ = spec
     out = np.empty((len(blobs), channels, height, width), dtype=np.uint8)
     failures: list[Failure | None] = []
@@ -83,7 +93,7 @@ def decode_chunk(blobs: Sequence[bytes], spec: Spec, max_pixels: int) -> tuple[n
             failures.append(None)
         except Refused as refused:
             failures.append((refused.status, refused.detail))
-    return out, failures
+    return Chunk(out, failures, time.thread_time() - began)
 
 
 class DecodeProcesses:
@@ -95,14 +105,14 @@ class DecodeProcesses:
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
 
-    def submit(self, blobs: Sequence[bytes], spec: Spec) -> Future[tuple[np.ndarray, list[Failure | None]]]:
+    def submit(self, blobs: Sequence[bytes], spec: Spec) -> Future[Chunk]:
         return self._running().submit(decode_chunk, list(blobs), spec, self.max_pixels)
 
-    def gather(self, chunks: list[list[bytes]], futures: list[Future[tuple[np.ndarray, list[Failure | None]]]],
-               spec: Spec) -> list[tuple[np.ndarray, list[Failure | None]]]:
+    def gather(self, chunks: list[list[bytes]], futures: list[Future[Chunk]],
+               spec: Spec) -> list[Chunk]:
         """Each chunk's result. A pool broken by a dead process is started again and the chunks it
         lost are decoded one image at a time; an image that kills its decoder again is refused."""
-        results: list[tuple[np.ndarray, list[Failure | None]] | None] = []
+        results: list[Chunk | None] = []
         broken = False
         for future in futures:
             try:
@@ -122,21 +132,23 @@ class DecodeProcesses:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def _one_by_one(self, chunk: list[bytes], spec: Spec) -> tuple[np.ndarray, list[Failure | None]]:
+    def _one_by_one(self, chunk: list[bytes], spec: Spec) -> Chunk:
         channels, height, width, _ = spec
         out = np.empty((len(chunk), channels, height, width), dtype=np.uint8)
         failures: list[Failure | None] = []
+        cpu_s = 0.0
         for i, data in enumerate(chunk):
             try:
-                rows, failed = self._running().submit(decode_chunk, [data], spec, self.max_pixels).result()
+                one = self._running().submit(decode_chunk, [data], spec, self.max_pixels).result()
             except BrokenProcessPool:
                 log.warning("an image killed its decoding process; refused, and the pool started again")
                 self._restart()
                 failures.append((415, "cannot decode image: it crashed the decoder"))
                 continue
-            out[i] = rows[0]
-            failures.append(failed[0])
-        return out, failures
+            out[i] = one.rows[0]
+            failures.append(one.failures[0])
+            cpu_s += one.cpu_s
+        return Chunk(out, failures, cpu_s)
 
     def _running(self) -> ProcessPoolExecutor:
         with self._lock:

@@ -40,7 +40,7 @@ def test_decoding_processes_give_the_intake_threads_rows_and_refusals() -> None:
     finally:
         processes.shutdown()
     got: list[np.ndarray | int] = []
-    for rows, failures in results:
+    for rows, failures, _ in results:
         got.extend(row if failure is None else failure[0] for row, failure in zip(rows, failures, strict=True))
     assert got[1] == 415 and got[3] == 413
     for index in (0, 2):
@@ -63,7 +63,7 @@ def test_a_decoding_process_killed_mid_chunk_costs_only_time() -> None:
         assert processes._running() is not pool
     finally:
         processes.shutdown()
-    rows = [row for chunk_rows, failures in results for row, failure in zip(chunk_rows, failures, strict=True)
+    rows = [row for chunk_rows, failures, _ in results for row, failure in zip(chunk_rows, failures, strict=True)
             if failure is None]
     assert len(rows) == len(images)
     for row, data in zip(rows, images, strict=True):
