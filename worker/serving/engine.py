@@ -12,22 +12,28 @@ each in its own module:
 - the device loop (worker/serving/device_loop.py): the one thread that feeds the device;
 - replies (worker/serving/replies.py): top-k answers, sent while the device computes the next batch.
 
-The intake thread here runs the first three for one batch at a time: it takes requests off the
-list until the window says the batch is complete, loads the models they ask for (worker/
-model_cache.py; a model that was just loaded has its batch shapes run once, so no request pays
-for cuDNN's tuning), decodes the images (its own share, and the pool's), and hands the batch to
-the device loop, which computes the previous one meanwhile. Warm requests (an alias about to
-move) ride the same list and are answered once the model is resident.
+The intake thread here takes requests off the list until the window says the batch is complete,
+loads the models they ask for (worker/model_cache.py; a model that was just loaded has its batch
+shapes run once, so no request pays for cuDNN's tuning) and starts decoding the images (on the
+decoding processes, or itself for cheap images); then it takes the next batch while that one
+decodes. The assembly thread collects each batch's images in order, answers the requests whose
+images cannot be decoded, and hands the rest to the device loop, which computes the previous
+batch meanwhile. So decoding, computing and taking requests overlap, and the batches a device
+computes are the batches the window formed, in order. Warm requests (an alias about to move)
+ride the same list and are answered once the model is resident.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import redis
@@ -41,7 +47,7 @@ from worker.device import WorkerDevice
 from worker.device_health import DeviceHealth
 from worker.model_cache import ModelCache, ResidentModel
 from worker.serving.batching import BatchWindow
-from worker.serving.decode import BadImage, Decoder
+from worker.serving.decode import BadImage, Decoder, PendingDecode
 from worker.serving.device_loop import DeviceLoop
 from worker.serving.replies import PreparedGroup, send_results
 from worker.serving.stats import InferenceStats
@@ -51,6 +57,18 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.001  # the longest sleep between two polls of the list while a batch fills
 POLL_MIN_S = 0.0002  # while a batch waits for the device, or while requests are arriving
+REPLY_THREADS = 2  # one answers a batch while the next one's answers may already be due
+DECODING_AHEAD = 2  # batches decoding while the device loop holds one: the processes stay busy
+
+
+@dataclass
+class Decoding:
+    """One model's share of a batch while its images decode."""
+
+    job_id: str
+    entry: ResidentModel
+    requests: list[PredictRequest]
+    pending: PendingDecode
 
 
 class InferenceServer:
@@ -71,6 +89,10 @@ class InferenceServer:
         self.stats = InferenceStats(cache.stats)
         self.window = BatchWindow(max_batch, max_wait_ms / 1000)
         self.decoder = Decoder(decode_threads or usable_cores(), max_pixels)
+        # Replies are sent from threads of their own while the device computes the next batch; torch
+        # ops there (top-k) must not start an OpenMP team (worker/cpu_threads.py).
+        self._replies = ThreadPoolExecutor(REPLY_THREADS, thread_name_prefix="torchyard-replies",
+                                           initializer=pin_to_one_thread)
         self._halt = threading.Event()
         self._warms: list[WarmRequest] = []  # taken off the list with the requests, served after them
         self.device_loop = DeviceLoop(
@@ -82,6 +104,11 @@ class InferenceServer:
             refuse=lambda group, status, detail: self.transport.send_errors([r for r, _ in group.owners], status, detail),
             health=health, on_broken=on_broken)
         self._intake_thread = threading.Thread(target=self._intake_loop, name="torchyard-intake", daemon=True)
+        # Batches between the intake and the device loop, decoding; a bounded number ahead.
+        self._decoding: queue.Queue[list[Decoding]] = queue.Queue(maxsize=DECODING_AHEAD)
+        self._assembling = 0  # batches handed to the assembly and not yet to the device loop
+        self._assembling_lock = threading.Lock()
+        self._assembly_thread = threading.Thread(target=self._assembly_loop, name="torchyard-assembly", daemon=True)
         self._outage = RedisOutageLog(log, f"/predict intake of {device.id}")
 
     def start(self) -> None:
@@ -91,14 +118,17 @@ class InferenceServer:
             torch.backends.cudnn.benchmark = True
         self.device_loop.start()
         self._intake_thread.start()
+        self._assembly_thread.start()
 
     def stop(self) -> None:
         self._halt.set()
 
     def join(self, timeout: float | None = None) -> None:
         self._intake_thread.join(timeout)
+        self._assembly_thread.join(timeout)
         self.device_loop.join(timeout)
         self.decoder.shutdown()
+        self._replies.shutdown(wait=False, cancel_futures=True)
 
     def release_cores(self, timeout_s: float = 10.0) -> None:
         """Before a job starts (`job_running` is true by now): wait until a CPU device's forward has
@@ -117,9 +147,10 @@ class InferenceServer:
                 requests = self._collect()
                 self._outage.answered()
                 if requests:
-                    groups = self._prepare(requests)
-                    if groups:
-                        self.device_loop.hand_over(groups)
+                    batch = self._prepare(requests)
+                    if batch:
+                        self._count_assembling(+1)
+                        self._put(batch)
                 if self._warms:
                     self._serve_warms()
             except redis.RedisError as exc:  # one line when an outage starts, one when it ends
@@ -142,7 +173,7 @@ class InferenceServer:
         arriving = True  # the last poll found requests: the rest of a burst is likely on its way
         loop = self.device_loop
         while True:
-            busy = loop.waiting_or_computing()
+            busy = loop.waiting_or_computing() or self._assembling > 0
             opened_at = max(first_queued_at, loop.free_at)
             if self.window.ready(images, opened_at, now := time.time(), busy):
                 break
@@ -162,14 +193,14 @@ class InferenceServer:
         self.window.observe(images)
         return requests
 
-    def _prepare(self, requests: list[PredictRequest]) -> list[PreparedGroup]:
-        """Group by model, decode every image, answer the requests that cannot run."""
+    def _prepare(self, requests: list[PredictRequest]) -> list[Decoding]:
+        """Group by model, start decoding each group's images, answer the requests that cannot run."""
         now = time.time()
         by_job: dict[str, list[PredictRequest]] = defaultdict(list)
         for request in requests:
             if self.transport.local_time(request.header.deadline) >= now:  # else the caller has given up already
                 by_job[request.header.job_id].append(request)
-        groups = []
+        batch = []
         for job_id, group in by_job.items():
             try:
                 entry = self._resident(job_id)
@@ -181,24 +212,60 @@ class InferenceServer:
                 log.exception("loading the model of job %s failed", job_id)
                 self.transport.send_errors(group, 503, f"inference failed on {self.device.id}: {exc}")
                 continue
-            decoded = self.decoder.decode_all([request.image(i)[1] for request in group
-                                               for i in range(request.image_count)], entry.meta)
-            prepared = PreparedGroup(job_id, entry)
-            at = 0
-            for request in group:
-                mine = decoded[at:at + request.image_count]
-                at += request.image_count
-                failure = next(((i, d) for i, d in enumerate(mine) if isinstance(d, BadImage)), None)
-                if failure is not None:  # the whole request is refused, naming the file at fault
-                    index, bad = failure
-                    assert isinstance(bad, BadImage)
-                    self.transport.send_errors([request], bad.status, f"{request.header.images[index][0] or 'image'}: {bad}")
-                    continue
-                prepared.owners.append((request, len(prepared.arrays)))
-                prepared.arrays.extend(d for d in mine if isinstance(d, np.ndarray))
-            if prepared.arrays:
-                groups.append(prepared)
-        return groups
+            pending = self.decoder.start([request.image(i)[1] for request in group
+                                          for i in range(request.image_count)], entry.meta)
+            batch.append(Decoding(job_id, entry, group, pending))
+        return batch
+
+    def _put(self, batch: list[Decoding]) -> None:
+        while not self._halt.is_set():
+            try:
+                self._decoding.put(batch, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    # ------------------------------------------------------------------ assembly thread
+    def _assembly_loop(self) -> None:
+        pin_to_one_thread()
+        while not self._halt.is_set():
+            try:
+                batch = self._decoding.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            try:
+                groups = [group for decoding in batch if (group := self._assemble(decoding)) is not None]
+                if groups:
+                    self.device_loop.hand_over(groups)
+            except Exception:  # a failure answers its callers and never stops the thread
+                self.stats.failed()
+                log.exception("assembling a batch failed")
+                for decoding in batch:
+                    self.transport.send_errors(decoding.requests, 503, f"inference failed on {self.device.id}")
+            finally:
+                self._count_assembling(-1)
+
+    def _count_assembling(self, change: int) -> None:
+        with self._assembling_lock:
+            self._assembling += change
+
+    def _assemble(self, decoding: Decoding) -> PreparedGroup | None:
+        """A group's decoded images, in order, for the device loop; a request with an image that
+        cannot be decoded is refused whole, naming the file at fault."""
+        decoded = decoding.pending.result()
+        prepared = PreparedGroup(decoding.job_id, decoding.entry)
+        at = 0
+        for request in decoding.requests:
+            mine = decoded[at:at + request.image_count]
+            at += request.image_count
+            failure = next(((i, d) for i, d in enumerate(mine) if isinstance(d, BadImage)), None)
+            if failure is not None:
+                index, bad = failure
+                self.transport.send_errors([request], bad.status, f"{request.header.images[index][0] or 'image'}: {bad}")
+                continue
+            prepared.owners.append((request, len(prepared.arrays)))
+            prepared.arrays.extend(d for d in mine if isinstance(d, np.ndarray))
+        return prepared if prepared.arrays else None
 
     def _resident(self, job_id: str) -> ResidentModel:
         """The job's model on the device; one that was just loaded has its batch shapes run once."""
@@ -213,7 +280,7 @@ class InferenceServer:
 
     def _answer_later(self, group: PreparedGroup, probabilities: torch.Tensor) -> None:
         """On a pool thread, while the device computes the next batch."""
-        self.decoder.pool.submit(self._answer, group, probabilities)
+        self._replies.submit(self._answer, group, probabilities)
 
     def _serve_warms(self) -> None:
         """Load each warmed job's model (an alias is about to move to it) and say when it is resident."""
