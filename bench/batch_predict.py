@@ -42,7 +42,7 @@ two runs after; 0.83× of a floor that now includes the traced graph, which the 
 with a decode process did 4,300 to 5,000 img/s for cifar_net against 3,000 to 3,100 with two torch
 threads beside the decoder (the forward's spinning threads and the decoder take turns on 2 cores),
 and batch 64 to 256 changed it by under 10% (with libgomp's spin capped, later, 128 did 5 to 17% more than 64:
-worker/predict_job.DEFAULT_CPU_BATCH). For a 32×32 PNG, decoding costs ~50 µs of CPU, a
+core/defaults.PREDICT_BATCH_SIZE). For a 32×32 PNG, decoding costs ~50 µs of CPU, a
 third of cifar_net's forward per image on one thread, so on 2 cores cifar_net's job cannot reach a
 floor that has both cores for the forward alone; resnet18's forward dominates its images' decoding.
 On the faster host of the evening of 2026-11-24 the handler's stages, timed apart per cifar_net
@@ -128,8 +128,8 @@ def run(args: argparse.Namespace) -> str:
     from app.embedded_redis import EmbeddedRedis
     from core import keys
     from core.clock import utc_now_iso
+    from core.defaults import PREDICT_BATCH_SIZE
     from tests.support import Processes, free_port, with_db
-    from worker.predict_job import DEFAULT_CPU_BATCH
 
     load_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="torchyard-bench-batch-"))
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> str:
         shutil.rmtree(work, ignore_errors=True)  # 10,000 images, twice (the zip's and the dataset's)
     load_end = os.getloadavg()
     lines = [f"Batch predictions, {args.images:,} {SIZE}×{SIZE} PNGs, one CPU worker ({os.cpu_count()} cores), "
-             f"default batch ({DEFAULT_CPU_BATCH}), medians of {args.repeats} floor + job pairs; load average {load_start[0]:.2f} "
+             f"default batch ({PREDICT_BATCH_SIZE['cpu']}), medians of {args.repeats} floor + job pairs; load average {load_start[0]:.2f} "
              f"before, {load_end[0]:.2f} after.", "",
              "| model | raw forward, batch 32 (best of threads × OpenMP waiting × eager or traced graph) | predict job, end to end | ratio | "
              "handler's own "

@@ -34,6 +34,7 @@ import httpx
 from httpx_sse import connect_sse
 
 from client.events import RETRIABLE_STATUSES, Event, Waiting, parse_event
+from core.defaults import TOP_K
 from core.schemas import (
     Alias,
     AliasHistory,
@@ -179,7 +180,7 @@ class TorchyardClient:
         return Evaluation.model_validate(self._request("POST", f"/jobs/{job_id}/evaluate", json=body).json())
 
     def submit_predictions(self, dataset: str, *, job_id: str | None = None, alias: str | None = None,
-                           top_k: int = 5, batch_size: int | None = None, device: str | None = None,
+                           top_k: int = TOP_K, batch_size: int | None = None, device: str | None = None,
                            idempotency_key: str | None = None) -> Job:
         """POST /jobs with kind predict: a succeeded job's model (or an alias's) over every image of an
         uploaded dataset. The job's file is `download_results` once it succeeded; follow it with events()."""
@@ -220,7 +221,7 @@ class TorchyardClient:
             return self._request("POST", "/datasets", files={"file": (path.name, handle, "application/zip")},
                                  data=data).json()
 
-    def predict(self, job_id: str | None, images: Sequence[str | Path], top_k: int = 5, *,
+    def predict(self, job_id: str | None, images: Sequence[str | Path], top_k: int = TOP_K, *,
                 alias: str | None = None) -> PredictResponse:
         """Classify images with a job's model, or (job_id=None, alias="pets") with an alias's."""
         handles = []

@@ -41,8 +41,9 @@ from dataclasses import dataclass
 
 from core.config import Settings
 from core.datasets import DatasetRecord, split_sizes
+from core.defaults import EVAL_BATCH, TRAIN_BATCH_SIZE
 from core.errors import InvalidInput
-from core.params import DEFAULT_BATCH_SIZE, TrainingParams
+from core.params import TrainingParams
 from core.schemas import Device
 from models.registry import MODELS, ModelSpec
 
@@ -61,7 +62,6 @@ STATS_SAMPLE = 20_000
 FAKE_PREP_BYTES_PER_VALUE = 13  # fake_images: three float32 N×E temporaries, then the uint8 result
 OPTIMIZER_STATE_BYTES = {"sgd": 4, "adam": 8, "adamw": 8}
 TORCHVISION_NATIVE_VALUES = {"cifar10": 3 * 32 * 32, "mnist": 28 * 28, "fashion_mnist": 28 * 28}
-EVAL_BATCH = 256  # worker/trainer.py evaluates in batches of max(batch_size, 256)
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,7 @@ def estimate(shape: JobShape, device_type: str) -> MemoryNeed:
     values = shape.channels * height * width
     n = shape.dataset.num_images or 0
     n_train, _ = split_sizes(n, shape.val_fraction)
-    batch = shape.batch_size or DEFAULT_BATCH_SIZE[device_type]
+    batch = shape.batch_size or TRAIN_BATCH_SIZE[device_type]
     dataset = 2 * n * values
     preparation = _preparation_bytes(shape.dataset, n, values)
     statistics = STATS_BYTES_PER_VALUE * min(n_train, STATS_SAMPLE) * values
@@ -197,7 +197,7 @@ def check_admission(shape: JobShape, devices: Sequence[Device], settings: Settin
 def _what_fits(shape: JobShape, capacity: Capacity) -> str:
     spec: ModelSpec = MODELS[shape.model]
     device_type = capacity.device.type
-    batch = shape.batch_size or DEFAULT_BATCH_SIZE[device_type]
+    batch = shape.batch_size or TRAIN_BATCH_SIZE[device_type]
 
     def fits(image_size: int, batch_size: int) -> bool:
         trial = JobShape(shape.model, shape.dataset, shape.channels, image_size, batch_size, shape.optimizer,

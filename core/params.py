@@ -3,65 +3,25 @@
 The API resolves a `JobSpec` into `TrainingParams` when the job is accepted and stores them with
 the job (`Job.params`); the worker reads what is stored and never re-decides a default, so the
 record says exactly what ran (nanoGPT keeps its defaults in one block and saves them with the
-checkpoint the same way). What depends on the device that takes the job (the batch size when
-none was asked for, mixed precision, data placement) is the worker's choice, added to the same
-params when it starts (worker/trainer.py `plan_training`).
+checkpoint the same way). The defaults themselves are core/defaults.py's table. What depends on
+the device that takes the job (the batch size when none was asked for, mixed precision, data
+placement) is the worker's choice, recorded beside the params (worker/trainer.py `plan_training`).
 
-Two sets of defaults live here, on purpose:
-- `RECIPE`: what a job submitted now gets for a field it leaves out (docs/training.md says why
-  each value, with the measurements);
-- the field defaults of `TrainingParams`: what a job stored *before* the recipe existed ran
-  with (constant learning rate, no label smoothing, no early stopping, the last epoch's
-  weights). They apply only when an older record is read back, so it keeps saying what ran and a
-  queued one resumes with the recipe it was submitted under.
+The field defaults of `TrainingParams` are `LEGACY_RECIPE`'s: what a job stored before the recipe
+existed ran with; they apply only when an older record is read back.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from core import defaults
+from core.defaults import LEGACY_RECIPE, LEGACY_WEIGHT_DECAY, RECIPE, Keep, Monitor, Optimizer, Schedule
 from core.errors import InvalidInput
 from core.schemas import Job, JobSpec
 from models.registry import MODELS, UnknownModel, get_model_spec
-
-Optimizer = Literal["sgd", "adam", "adamw"]
-Schedule = Literal["onecycle", "cosine", "constant"]
-Monitor = Literal["val_accuracy", "val_loss"]
-Keep = Literal["best", "last"]
-
-# The peak learning rate per optimizer (the schedule rises to it and anneals from it). SGD with
-# momentum 0.9 wants a larger step than Adam's family.
-DEFAULT_LEARNING_RATE: dict[str, float] = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
-# Decoupled weight decay for AdamW; L2 for SGD (the classic 5e-4); plain Adam couples decay with
-# its adaptive step (Loshchilov & Hutter), so it gets none unless asked.
-DEFAULT_WEIGHT_DECAY: dict[str, float] = {"sgd": 5e-4, "adam": 0.0, "adamw": 0.05}
-# When the job leaves batch_size open: a GPU keeps busy with bigger batches (worker/trainer.py).
-DEFAULT_BATCH_SIZE = {"cuda": 256, "cpu": 128}
-
-
-class Recipe(BaseModel):
-    """The defaults of a job submitted now, in one block (measured in docs/training.md)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    optimizer: Optimizer = "adamw"
-    schedule: Schedule = "cosine"
-    warmup_fraction: dict[str, float] = {"onecycle": 0.25, "cosine": 0.05, "constant": 0.0}
-    # The default schedule needs room: on runs of 4 to 25 optimizer steps (the generated datasets,
-    # and a few hundred photos at batch 128) annealing cost up to 25 points of validation accuracy
-    # against a constant rate (docs/training.md), so a run shorter than this keeps the rate
-    # constant. A schedule the job asks for by name always applies.
-    min_schedule_steps: int = 200
-    label_smoothing: float = 0.0  # measured neutral within seed noise here (docs/training.md)
-    patience: int = 5  # epochs without a better monitor before stopping; 0 = never
-    monitor: Monitor = "val_accuracy"
-    keep: Keep = "best"
-    augment: bool = False
-
-
-RECIPE = Recipe()
 
 
 class TrainingParams(BaseModel):
@@ -71,7 +31,7 @@ class TrainingParams(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     epochs: int
-    batch_size: int | None  # None: the worker picks DEFAULT_BATCH_SIZE for its device
+    batch_size: int | None  # None: the worker picks defaults.TRAIN_BATCH_SIZE for its device type
     learning_rate: float
     optimizer: Optimizer
     seed: int
@@ -79,27 +39,27 @@ class TrainingParams(BaseModel):
     image_size: int
     augment: bool
     # The recipe's fields. Defaults here = what records made before them ran with (see above).
-    schedule: Schedule = "constant"
-    warmup_fraction: float = 0.0
-    min_schedule_steps: int = 0  # fewer optimizer steps in the run: the rate stays constant
+    schedule: Schedule = LEGACY_RECIPE.schedule
+    warmup_fraction: float = LEGACY_RECIPE.warmup_fraction[LEGACY_RECIPE.schedule]
+    min_schedule_steps: int = LEGACY_RECIPE.min_schedule_steps  # fewer optimizer steps: the rate stays constant
     weight_decay: float | None = None  # older records: filled in below from their optimizer
-    label_smoothing: float = 0.0
-    patience: int = 0
-    monitor: Monitor = "val_accuracy"
-    keep: Keep = "last"
+    label_smoothing: float = LEGACY_RECIPE.label_smoothing
+    patience: int = LEGACY_RECIPE.patience
+    monitor: Monitor = LEGACY_RECIPE.monitor
+    keep: Keep = LEGACY_RECIPE.keep
     # Where the first weights come from (lineage; also in the checkpoint's metadata).
     init_from: str | None = None
     pretrained: bool = False
     # "auto": the device's native mixed precision (worker/recipe.choose_precision); "fp32": none.
-    precision: Literal["auto", "fp32"] = "auto"
+    precision: defaults.Precision = defaults.PRECISION
     # Data-parallel training (worker/gang_training.py): ranks asked for; resume with fewer after a fault.
-    world_size: int = 1
+    world_size: int = defaults.WORLD_SIZE
     elastic: bool = False
 
     @model_validator(mode="after")
     def _legacy_weight_decay(self) -> TrainingParams:
-        if self.weight_decay is None:  # before the recipe: AdamW used torch's default 0.01, others none
-            self.weight_decay = 0.01 if self.optimizer == "adamw" else 0.0
+        if self.weight_decay is None:  # a record from before the recipe
+            self.weight_decay = LEGACY_WEIGHT_DECAY[self.optimizer]
         return self
 
     @property
@@ -132,12 +92,12 @@ def resolve_params(spec: JobSpec, parent: Job | None = None) -> TrainingParams:
     _check_global_batch(spec.batch_size, spec.world_size)
     return TrainingParams(
         epochs=spec.epochs, batch_size=spec.batch_size,
-        learning_rate=spec.learning_rate or DEFAULT_LEARNING_RATE[optimizer], optimizer=optimizer,
+        learning_rate=spec.learning_rate or defaults.LEARNING_RATE[optimizer], optimizer=optimizer,
         seed=spec.seed, val_fraction=spec.val_fraction, image_size=image_size,
         augment=RECIPE.augment if spec.augment is None else spec.augment,
         schedule=schedule, min_schedule_steps=0 if spec.schedule else RECIPE.min_schedule_steps,
         warmup_fraction=_given(spec.warmup_fraction, RECIPE.warmup_fraction[schedule]),
-        weight_decay=_given(spec.weight_decay, DEFAULT_WEIGHT_DECAY[optimizer]),
+        weight_decay=_given(spec.weight_decay, defaults.WEIGHT_DECAY[optimizer]),
         label_smoothing=_given(spec.label_smoothing, RECIPE.label_smoothing),
         patience=_given(spec.patience, RECIPE.patience),
         monitor=spec.monitor or RECIPE.monitor, keep=spec.keep or RECIPE.keep,
@@ -153,9 +113,9 @@ def _check_global_batch(batch_size: int | None, world_size: int) -> None:
     if world_size == 1:
         return
     if batch_size is None:
-        if any(size % world_size for size in DEFAULT_BATCH_SIZE.values()):
+        if any(size % world_size for size in defaults.TRAIN_BATCH_SIZE.values()):
             raise InvalidInput(f"world_size {world_size}: give batch_size (the global batch), divisible by "
-                               f"{world_size}; the defaults ({', '.join(map(str, DEFAULT_BATCH_SIZE.values()))}) "
+                               f"{world_size}; the defaults ({', '.join(map(str, defaults.TRAIN_BATCH_SIZE.values()))}) "
                                f"are not")
         return
     if batch_size % world_size:

@@ -8,6 +8,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
+from core import defaults
+from core.defaults import (
+    EVAL_BATCH,
+    LEARNING_RATE,
+    PREDICT_BATCH_SIZE,
+    RECIPE,
+    TRAIN_BATCH_SIZE,
+    WEIGHT_DECAY,
+    per_device,
+)
+
 
 class JobStatus(StrEnum):
     queued = "queued"
@@ -24,6 +35,11 @@ class JobStatus(StrEnum):
 # The most devices one job may ask for (POST /jobs `world_size`): far beyond any host, bounded so a
 # request cannot make the scheduler walk an absurd list.
 MAX_WORLD_SIZE = 256
+_DEVICE = f'"auto", "cuda", "cpu" or a device id. Default: "{defaults.DEVICE}".'
+
+
+def _per_optimizer(table: dict[str, float]) -> str:
+    return ", ".join(f"{name} {value:g}" for name, value in table.items())
 
 
 class JobKind(StrEnum):
@@ -38,7 +54,7 @@ class JobKind(StrEnum):
 
 class JobSpec(BaseModel):
     """What a user asks for in POST /jobs. Everything but model and dataset has a default; a field
-    left out (or null) takes the default core/params.py decides at submit."""
+    left out (or null) takes the default core/params.py decides at submit (core/defaults.py's table)."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -46,46 +62,53 @@ class JobSpec(BaseModel):
     model: str = Field(min_length=1, max_length=64)
     dataset: str = Field(min_length=1, max_length=200, description="A dataset id, or the unique name it was "
                                                                     "uploaded with.")
-    epochs: int = Field(default=5, ge=1, le=1000)
-    batch_size: int | None = Field(default=None, ge=1, le=8192, description="Default: 256 on a GPU, 128 on a CPU.")
-    learning_rate: float | None = Field(default=None, gt=0, le=10, description="Default: per optimizer. With a "
-                                        "schedule, the peak learning rate.")
-    optimizer: Literal["sgd", "adam", "adamw"] | None = Field(default=None, description="Default: adamw.")
-    device: str = Field(default="auto", max_length=200, description='"auto", "cuda", "cpu" or a device id.')
-    seed: int = Field(default=0, ge=0, le=2**31 - 1)
-    val_fraction: float = Field(default=0.1, ge=0.0, lt=1.0)
+    epochs: int = Field(default=defaults.EPOCHS, ge=1, le=1000)
+    batch_size: int | None = Field(default=None, ge=1, le=8192,
+                                   description=f"Default: {per_device(TRAIN_BATCH_SIZE)}.")
+    learning_rate: float | None = Field(default=None, gt=0, le=10, description="Default: per optimizer ("
+                                        + _per_optimizer(LEARNING_RATE) + "). With a schedule, the peak learning rate.")
+    optimizer: defaults.Optimizer | None = Field(default=None, description=f"Default: {RECIPE.optimizer}.")
+    device: str = Field(default=defaults.DEVICE, max_length=200, description=_DEVICE)
+    seed: int = Field(default=defaults.SEED, ge=0, le=2**31 - 1)
+    val_fraction: float = Field(default=defaults.VAL_FRACTION, ge=0.0, lt=1.0)
     image_size: int | None = Field(default=None, ge=16, le=512, description="Square input size for resizable models.")
     augment: bool | None = Field(default=None, description="Random crop (4-pixel reflected padding) and horizontal "
-                                 "flip drawn per image, on the device. Default: off.")
+                                 f"flip drawn per image, on the device. Default: {'on' if RECIPE.augment else 'off'}.")
     # --- the training recipe (docs/training.md says what each default is and why) ---------
-    schedule: Literal["onecycle", "cosine", "constant"] | None = Field(
-        default=None, description="Learning-rate schedule, stepped every step. Default: cosine (after a linear "
-                                  "warm-up) when the run has at least 200 optimizer steps; a shorter run keeps the "
-                                  "rate constant and its params record `constant`.")
+    schedule: defaults.Schedule | None = Field(
+        default=None, description=f"Learning-rate schedule, stepped every step. Default: {RECIPE.schedule} (after a "
+                                  f"linear warm-up) when the run has at least {RECIPE.min_schedule_steps} optimizer "
+                                  "steps; a shorter run keeps the rate constant, and its params record `constant`.")
     warmup_fraction: float | None = Field(default=None, ge=0.0, lt=1.0, description="Share of the steps spent "
-                                          "warming up (onecycle's rise, cosine's linear warm-up). Default: 0.05 "
-                                          "(cosine), 0.25 (onecycle).")
-    weight_decay: float | None = Field(default=None, ge=0.0, le=1.0, description="Default: per optimizer.")
-    label_smoothing: float | None = Field(default=None, ge=0.0, lt=1.0, description="Default: 0 (off).")
+                                          "warming up (onecycle's rise, cosine's linear warm-up). Default: "
+                                          f"{RECIPE.warmup_fraction['cosine']:g} (cosine), "
+                                          f"{RECIPE.warmup_fraction['onecycle']:g} (onecycle).")
+    weight_decay: float | None = Field(default=None, ge=0.0, le=1.0,
+                                       description=f"Default: per optimizer ({_per_optimizer(WEIGHT_DECAY)}).")
+    label_smoothing: float | None = Field(default=None, ge=0.0, lt=1.0,
+                                          description=f"Default: {RECIPE.label_smoothing:g} (off).")
     patience: int | None = Field(default=None, ge=0, le=1000, description="Early stopping: stop after this many "
-                                 "epochs without a better `monitor`; 0 turns it off. Default: 5.")
-    monitor: Literal["val_accuracy", "val_loss"] | None = Field(
-        default=None, description="What early stopping and the best epoch are judged by. Default: val_accuracy "
+                                 f"epochs without a better `monitor`; 0 turns it off. Default: {RECIPE.patience}.")
+    monitor: defaults.Monitor | None = Field(
+        default=None, description=f"What early stopping and the best epoch are judged by. Default: {RECIPE.monitor} "
                                   "(ties broken by the lower val_loss).")
-    keep: Literal["best", "last"] | None = Field(default=None, description="Which weights the checkpoint keeps: "
-                                                 "the best validation epoch's (default) or the last epoch's.")
+    keep: defaults.Keep | None = Field(default=None, description="Which weights the checkpoint keeps: "
+                                                 "the best validation epoch's or the last epoch's. "
+                                                 f"Default: {RECIPE.keep}.")
     init_from: str | None = Field(default=None, min_length=1, max_length=128, description="Start from the weights "
                                   "of this succeeded job (same model); a new classifier head when classes differ.")
     pretrained: bool = Field(default=False, description="Start from torchvision's ImageNet weights (resnet18, "
                              "mobilenet_v3_small), with their preprocessing.")
-    precision: Literal["auto", "fp32"] = Field(
-        default="auto", description="auto: mixed precision where the device computes it natively (bf16 on CUDA "
-                                    "8.0+ and on CPUs with native bf16, fp16 with a gradient scaler on CUDA 7.x); "
-                                    "fp32: full precision everywhere (results reproducible to fp32 rounding, e.g. "
-                                    "across world sizes), at the speed mixed precision would have saved.")
+    precision: defaults.Precision = Field(
+        default=defaults.PRECISION, description="auto: mixed precision where the device computes it natively (bf16 "
+                                    "on CUDA 8.0+ and on CPUs with native bf16, fp16 with a gradient scaler on CUDA "
+                                    "7.x); fp32: full precision everywhere (results reproducible to fp32 rounding, "
+                                    "e.g. across world sizes), at the speed mixed precision would have saved. "
+                                    f"Default: {defaults.PRECISION}.")
     # --- data-parallel training on several devices (docs/training.md "One job on many devices") ---
-    world_size: int = Field(default=1, ge=1, le=MAX_WORLD_SIZE, description="Devices that train the job together "
-                            "(DistributedDataParallel, one rank per worker); batch_size is the global batch.")
+    world_size: int = Field(default=defaults.WORLD_SIZE, ge=1, le=MAX_WORLD_SIZE, description="Devices that train "
+                            "the job together (DistributedDataParallel, one rank per worker); batch_size is the "
+                            "global batch.")
     elastic: bool = Field(default=False, description="After a fault, resume with fewer devices when fewer are free "
                           "(the global batch and the schedule are kept).")
 
@@ -97,8 +120,8 @@ class EvaluateSpec(BaseModel):
 
     dataset: str = Field(min_length=1, max_length=200, description="A dataset id, or the unique name it was "
                                                                     "uploaded with.")
-    device: str = Field(default="auto", max_length=200, description='"auto", "cuda", "cpu" or a device id.')
-    batch_size: int | None = Field(default=None, ge=1, le=8192, description="Default: 256.")
+    device: str = Field(default=defaults.DEVICE, max_length=200, description=_DEVICE)
+    batch_size: int | None = Field(default=None, ge=1, le=8192, description=f"Default: {EVAL_BATCH}.")
 
 
 class PredictSpec(BaseModel):
@@ -113,9 +136,11 @@ class PredictSpec(BaseModel):
                               "submit (the job records the training job it named then).")
     dataset: str = Field(min_length=1, max_length=200, description="An uploaded dataset's id or unique name, "
                                                                     "labelled (ImageFolder) or not.")
-    top_k: int = Field(default=5, ge=1, le=1000, description="Predictions per image, at most the model's classes.")
-    batch_size: int | None = Field(default=None, ge=1, le=8192, description="Default: 128 on a CPU, 256 on a GPU.")
-    device: str = Field(default="auto", max_length=200, description='"auto", "cuda", "cpu" or a device id.')
+    top_k: int = Field(default=defaults.TOP_K, ge=1, le=defaults.MAX_TOP_K,
+                       description=f"Predictions per image, at most the model's classes. Default: {defaults.TOP_K}.")
+    batch_size: int | None = Field(default=None, ge=1, le=8192,
+                                   description=f"Default: {per_device(PREDICT_BATCH_SIZE)}.")
+    device: str = Field(default=defaults.DEVICE, max_length=200, description=_DEVICE)
 
     @model_validator(mode="after")
     def _one_model(self) -> PredictSpec:

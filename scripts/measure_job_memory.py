@@ -132,6 +132,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     from core import admission as a
     from core.datasets import DatasetRecord
+    from core.defaults import EVAL_BATCH
     from models.registry import MODELS
 
     parser = argparse.ArgumentParser()
@@ -157,7 +158,7 @@ def main() -> None:
         row("step", f"{model} {channels}×{size}×{size}, batch {batch}", step,
             a.JOB_OVERHEAD_BYTES + params + batch * (a.ACTIVATION_FACTOR * acts + a.INPUT_COPIES * 4 * values))
         row("eval", f"{model} {channels}×{size}×{size}, {n} images", evaluation,
-            a.JOB_OVERHEAD_BYTES + min(n, max(batch, a.EVAL_BATCH)) * a.EVAL_FACTOR * acts)
+            a.JOB_OVERHEAD_BYTES + min(n, max(batch, EVAL_BATCH)) * a.EVAL_FACTOR * acts)
         record = DatasetRecord(id="u", name="u", kind="upload", num_images=n)
         need = a.estimate(a.JobShape(model, record, channels, size, batch, "adam", 0.1), "cpu")
         # The baseline already holds the runtime and the N·E dataset; the estimate counts both.

@@ -16,7 +16,7 @@ OURS = ("app", "client", "core", "models", "worker")
 MAY_IMPORT = {
     "models": set(),
     "core": {"models"},
-    "client": {"core.schemas"},
+    "client": {"core.schemas", "core.defaults"},
     "worker": {"core", "models"},
     "app": {"core", "models"},
 }

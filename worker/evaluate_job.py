@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from core.defaults import EVAL_BATCH
 from core.schemas import Job, Progress
 from worker.backoff import BatchBackoff
 from worker.checkpoint import load_model
 from worker.data import evaluation_split, load_dataset
 from worker.device import cpu_flags
-from worker.evaluation import EVAL_BATCH, measure
+from worker.evaluation import measure
 from worker.job_context import JobContext, JobFailed, JobOutcome
 from worker.preprocess import stats_tensors
 from worker.recipe import autocast, choose_precision

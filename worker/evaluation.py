@@ -17,13 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.defaults import EVAL_BATCH
 from core.schemas import MAX_CONFUSION_CLASSES, EvaluationResult
 from worker.backoff import BatchBackoff
 from worker.job_context import StopJob
 from worker.preprocess import normalize
 from worker.staging import Batches
-
-EVAL_BATCH = 256  # images per validation/evaluation batch (no gradients: more fit than in training)
 
 
 @dataclass(frozen=True)

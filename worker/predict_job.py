@@ -35,6 +35,7 @@ from typing import BinaryIO
 import torch
 
 from core.batch_predict import RESULTS_FILE
+from core.defaults import PREDICT_BATCH_SIZE, TOP_K
 from core.schemas import CheckpointInfo, Job, PredictSummary, Progress
 from core.storage import sha256_file
 from worker.checkpoint import load_model
@@ -45,13 +46,6 @@ from worker.predict_results import ResumePoint, copy_prefix, error_line, list_im
 
 log = logging.getLogger(__name__)
 
-# A CPU job's batch: larger batches spread each batch's fixed costs (the hand-off from the decode
-# process, the forward's start) over more images, with diminishing returns; 128 takes most of what
-# 256 gains at half its memory (a batch's decoded images wait in shared memory, as many batches
-# ahead as predict_decode.PREFETCH_BATCHES). The figures: docs/benchmarks.md, "Figures that were
-# quoted in code comments".
-DEFAULT_CPU_BATCH = 128
-DEFAULT_GPU_BATCH = 256
 # How often the working file is fsynced and the resume point and progress recorded: a redelivery
 # redoes at most this much work, and the progress bar moves at this rate.
 RESUME_INTERVAL_S = 0.5
@@ -60,7 +54,7 @@ WORKING_FILE = "results.part.jsonl"
 
 def run_predict_job(job: Job, ctx: JobContext) -> JobOutcome:
     trained_id = str(job.params.get("trained_job") or "")
-    top_k_asked = int(job.params.get("top_k") or 5)
+    top_k_asked = int(job.params.get("top_k") or TOP_K)
     labeled = bool(job.params.get("labeled", True))
     root = ctx.settings.datasets_dir / job.dataset
     if not root.is_dir():
@@ -71,7 +65,7 @@ def run_predict_job(job: Job, ctx: JobContext) -> JobOutcome:
     classes = meta.classes
     top_k = min(top_k_asked, len(classes))
     cuda = device.type == "cuda"
-    batch_size = int(job.params.get("batch_size") or (DEFAULT_GPU_BATCH if cuda else DEFAULT_CPU_BATCH))
+    batch_size = int(job.params.get("batch_size") or PREDICT_BATCH_SIZE[device.type])
     files = list_images(root)
     total = len(files)
     ctx.set_classes(classes)

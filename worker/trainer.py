@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.params import DEFAULT_BATCH_SIZE, TrainingParams, schedule_for
+from core.defaults import EVAL_BATCH, TRAIN_BATCH_SIZE
+from core.params import TrainingParams, schedule_for
 from core.schemas import EpochMetrics, EvaluationResult, Progress
 from models.registry import build_model
 from worker import init_weights
@@ -29,7 +30,7 @@ from worker.backoff import BatchBackoff
 from worker.checkpoint import ModelMeta, Preprocessing, save_model
 from worker.data import ImageTensors, split
 from worker.device import cpu_flags
-from worker.evaluation import EVAL_BATCH, Measured, measure
+from worker.evaluation import Measured, measure
 from worker.init_weights import InitialWeights
 from worker.job_context import JobReporter, StopJob
 from worker.preprocess import channel_stats, stats_tensors
@@ -111,7 +112,7 @@ def plan_training(job_id: str, architecture: str, params: TrainingParams, data: 
                   device: torch.device, channels: int, height: int, width: int) -> TrainingPlan:
     """Add this device's choices to the job's stored params: the fast path, every choice recorded."""
     cuda = device.type == "cuda"
-    batch_size = params.batch_size or DEFAULT_BATCH_SIZE[device.type]
+    batch_size = params.batch_size or TRAIN_BATCH_SIZE[device.type]
     precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None, cpu_flags(),
                                  mixed=params.precision == "auto")
     n_train = len(data.labels) - len(split(len(data.labels), params.val_fraction, params.seed)[1])

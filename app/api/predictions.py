@@ -48,6 +48,7 @@ from app.api.reply_inbox import ReplyInbox
 from core import keys
 from core.aliases import validate_alias_name
 from core.config import Settings
+from core.defaults import MAX_TOP_K, TOP_K
 from core.errors import Conflict, InvalidInput, NotFound, TooLarge, TorchyardError, Unavailable, UnsupportedMedia
 from core.images import IMAGE_FORMATS, IMAGE_FORMATS_TEXT, OPENED_FORMATS, ViewReader
 from core.schemas import Device, JobStatus
@@ -82,7 +83,6 @@ end
 return status
 """
 ALIAS_RESOLVE_TRIES = 5
-MAX_TOP_K = 1000
 
 
 class NoLiveWorker(Unavailable):
@@ -108,7 +108,7 @@ class PredictCall:
         else:
             validate_id(job_id or "", "job_id")
         try:
-            top_k = int(form.fields.get("top_k", "5"))
+            top_k = int(form.fields.get("top_k", str(TOP_K)))
         except ValueError:
             raise InvalidInput(f"top_k: must be an integer between 1 and {MAX_TOP_K}") from None
         if not 1 <= top_k <= MAX_TOP_K:

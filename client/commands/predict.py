@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from client.commands.base import EXIT_ERROR, EXIT_OK, detached
 from client.commands.follow import follow_to_end, waiting_notice
+from core.defaults import TOP_K
 
 if TYPE_CHECKING:
     from client.commands import Command
@@ -69,7 +70,7 @@ def register(command: Command) -> None:
     target = predict.add_mutually_exclusive_group(required=True)
     target.add_argument("--job", help="a succeeded job's id")
     target.add_argument("--alias", help="an alias (see `torchyard alias list`)")
-    predict.add_argument("--top-k", type=int, default=5)
+    predict.add_argument("--top-k", type=int, default=TOP_K)
     predict.add_argument("images", nargs="+", help="image files (PNG, JPEG, WebP, BMP, GIF)")
 
     folder = command("predict-folder", _predict_folder, "label a folder of images (or a dataset) with a trained "
@@ -83,7 +84,7 @@ def register(command: Command) -> None:
     folder.add_argument("--labeled", action="store_true", help="PATH is <class>/<image> folders: lines carry the "
                                                                "true label and the job its top-1 accuracy")
     folder.add_argument("--name", help="a name for the uploaded dataset")
-    folder.add_argument("--top-k", type=int, default=5)
+    folder.add_argument("--top-k", type=int, default=TOP_K)
     folder.add_argument("--batch-size", type=int)
     folder.add_argument("--device", help="auto (default), cuda, cpu or a device id")
     folder.add_argument("-o", "--output", help="file to write (default: predictions-<job id>.jsonl)")

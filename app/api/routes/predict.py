@@ -8,6 +8,7 @@ from starlette.types import Receive, Scope, Send
 from app.api.deps import ServicesDep
 from app.api.errors import known_error_response, unexpected_error_response
 from app.api.front import DirectRoute
+from core.defaults import MAX_TOP_K, TOP_K
 from core.images import IMAGE_FORMATS_TEXT
 from core.schemas import PredictResponse
 
@@ -24,7 +25,8 @@ _BODY = {"required": True, "content": {"multipart/form-data": {"schema": {
                    "description": "A succeeded job (exactly one of job_id and alias)."},
         "alias": {"type": "string", "minLength": 1, "maxLength": 64,
                   "description": "An alias (PUT /aliases/{name}) instead of job_id; the response names both."},
-        "top_k": {"type": "integer", "minimum": 1, "maximum": 1000, "default": 5},
+        "top_k": {"type": "integer", "minimum": 1, "maximum": MAX_TOP_K, "default": TOP_K,
+                  "description": f"Predictions per image, at most the model's classes. Default: {TOP_K}."},
     }}}}}
 
 
