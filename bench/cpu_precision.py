@@ -126,7 +126,6 @@ def speed(rounds: int, seconds: float, cells: list[tuple], threads: int) -> None
 
 def accuracy(epochs: int) -> None:
     import tempfile
-    from dataclasses import replace
 
     import torch
 
@@ -145,8 +144,8 @@ def accuracy(epochs: int) -> None:
     for model in ("cifar_net", "resnet18"):
         for amp, channels_last in ((None, False), ("bfloat16", True)):
             params = resolve_params(JobSpec(model=model, dataset="fake", epochs=epochs, seed=0))
-            plan = replace(plan_training("bench", model, params, data, torch.device("cpu"), 3, 32, 32), amp_dtype=amp,
-                           channels_last=channels_last)
+            plan = plan_training("bench", model, params, data, torch.device("cpu"), 3, 32, 32).with_choices(
+                amp_dtype=amp, channels_last=channels_last)
             with tempfile.TemporaryDirectory() as tmp:
                 folder = Path(tmp)
 

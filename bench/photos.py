@@ -156,7 +156,7 @@ def train_job(client: Any, spec: dict[str, Any]) -> dict[str, Any]:
     job = client.get(f"/jobs/{job_id}").json()
     if job["status"] != "succeeded":
         raise RuntimeError(f"job {job_id} {job['status']}: {job.get('error')}")
-    return {"id": job_id, "params": job["params"], "device": job["device"], **timeline(events, job)}
+    return {"id": job_id, "params": {**job["params"], **(job.get("device_choices") or {})}, "device": job["device"], **timeline(events, job)}
 
 
 # ----------------------------------------------------------------------------- the run

@@ -105,7 +105,8 @@ class Settlement:
     promote: list[str]
 
 
-_JSON_FIELDS = ("params", "progress", "metrics", "checkpoint", "classes", "evaluation", "results", "resume_at", "ranks")
+_JSON_FIELDS = ("params", "device_choices", "progress", "metrics", "checkpoint", "classes", "evaluation", "results",
+                "resume_at", "ranks")
 
 # Apply field writes and an event only while `ARGV[1]` is the job's delivery token and the job
 # runs. KEYS: job hash, events stream. ARGV: token, events maxlen, event kind ('' for none),

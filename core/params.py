@@ -27,7 +27,8 @@ from models.registry import MODELS, UnknownModel, get_model_spec
 class TrainingParams(BaseModel):
     """The resolved hyper-parameters, as stored with the job."""
 
-    # A job's stored params also carry the worker's device choices; reading them back ignores those.
+    # A record written before device choices had a field of their own (core/schemas.DeviceChoices)
+    # carries them in its params; reading them back ignores those.
     model_config = ConfigDict(extra="ignore")
 
     epochs: int
@@ -55,6 +56,14 @@ class TrainingParams(BaseModel):
     # Data-parallel training (worker/gang_training.py): ranks asked for; resume with fewer after a fault.
     world_size: int = defaults.WORLD_SIZE
     elastic: bool = False
+    # The input the images are loaded at (the model's channels; image_size square, or a fixed-size
+    # model's own), and the shorter side they are resized to before a centre crop when the starting
+    # weights were trained that way (pretrained, or a parent that was). None in records made before
+    # they were resolved at submit: `input_for` derives them the same way.
+    channels: int | None = None
+    height: int | None = None
+    width: int | None = None
+    resize_size: int | None = None
 
     @model_validator(mode="after")
     def _legacy_weight_decay(self) -> TrainingParams:
@@ -65,6 +74,32 @@ class TrainingParams(BaseModel):
     @property
     def decay(self) -> float:
         return self.weight_decay or 0.0
+
+    def input_for(self, model: str) -> tuple[int, int, int]:
+        """(channels, height, width): as resolved at submit, or for an older record as it would have been."""
+        if self.channels is not None and self.height is not None and self.width is not None:
+            return self.channels, self.height, self.width
+        return _input_shape(model, self.image_size)
+
+
+def _input_shape(model: str, image_size: int) -> tuple[int, int, int]:
+    spec = get_model_spec(model)
+    if spec.input.fixed_size:
+        return spec.input.channels, spec.input.height, spec.input.width
+    return spec.input.channels, image_size, image_size
+
+
+def _resize_size(spec: JobSpec, parent: Job | None, height: int) -> int | None:
+    """The shorter side to resize to before the centre crop: the starting weights' ratio (ImageNet's
+    256/224 for pretrained ones, the parent's for init_from), none when they were trained without one."""
+    weights = get_model_spec(spec.model).pretrained
+    if spec.pretrained and weights is not None:
+        return weights.resize_for(height)
+    if parent is not None:
+        resize, parent_height = parent.params.get("resize_size"), parent.params.get("height")
+        if isinstance(resize, int) and isinstance(parent_height, int) and parent_height:
+            return round(height * resize / parent_height)
+    return None
 
 
 def resolve_params(spec: JobSpec, parent: Job | None = None) -> TrainingParams:
@@ -90,6 +125,7 @@ def resolve_params(spec: JobSpec, parent: Job | None = None) -> TrainingParams:
     optimizer = spec.optimizer or RECIPE.optimizer
     schedule = spec.schedule or RECIPE.schedule
     _check_global_batch(spec.batch_size, spec.world_size)
+    channels, height, width = _input_shape(spec.model, image_size)
     return TrainingParams(
         epochs=spec.epochs, batch_size=spec.batch_size,
         learning_rate=spec.learning_rate or defaults.LEARNING_RATE[optimizer], optimizer=optimizer,
@@ -102,7 +138,8 @@ def resolve_params(spec: JobSpec, parent: Job | None = None) -> TrainingParams:
         patience=_given(spec.patience, RECIPE.patience),
         monitor=spec.monitor or RECIPE.monitor, keep=spec.keep or RECIPE.keep,
         init_from=spec.init_from, pretrained=spec.pretrained, precision=spec.precision, world_size=spec.world_size,
-        elastic=spec.elastic,
+        elastic=spec.elastic, channels=channels, height=height, width=width,
+        resize_size=_resize_size(spec, parent, height),
     )
 
 

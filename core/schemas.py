@@ -78,7 +78,7 @@ class JobSpec(BaseModel):
     schedule: defaults.Schedule | None = Field(
         default=None, description=f"Learning-rate schedule, stepped every step. Default: {RECIPE.schedule} (after a "
                                   f"linear warm-up) when the run has at least {RECIPE.min_schedule_steps} optimizer "
-                                  "steps; a shorter run keeps the rate constant, and its params record `constant`.")
+                                  "steps; a shorter run keeps the rate constant, and its device_choices record `constant`.")
     warmup_fraction: float | None = Field(default=None, ge=0.0, lt=1.0, description="Share of the steps spent "
                                           "warming up (onecycle's rise, cosine's linear warm-up). Default: "
                                           f"{RECIPE.warmup_fraction['cosine']:g} (cosine), "
@@ -250,6 +250,38 @@ class GangRank(BaseModel):
     worker: str
 
 
+class DeviceChoices(BaseModel):
+    """What the device that took a training job chose for it, beside (never inside) its params: the
+    params are decided once at submit; these only a worker can decide (worker/trainer.plan_training).
+    Recorded when a delivery starts, so the record says exactly what ran."""
+
+    model_config = ConfigDict(frozen=True)
+
+    device: str = Field(description='The torch device it trained on ("cpu", "cuda").')
+    batch_size: int = Field(description="The global batch it trained with: the job's, or its device type's default.")
+    schedule: defaults.Schedule = Field(description="The schedule that ran: the job's, or `constant` for a default-"
+                                                    "schedule run under its `min_schedule_steps` optimizer steps.")
+    amp_dtype: Literal["bfloat16", "float16"] | None = Field(description="Autocast's dtype; null: full fp32.")
+    grad_scaler: bool = Field(description="fp16's gradient scaler.")
+    channels_last: bool
+    cudnn_benchmark: bool
+    data_on_device: bool = Field(description="The images resident on the device (else streamed through "
+                                             "staging buffers).")
+    staging_buffers: int = Field(description="Pinned staging buffers a streamed split goes through (0: resident).")
+
+    @classmethod
+    def legacy(cls, params: dict[str, Any]) -> DeviceChoices | None:
+        """The choices a record written before they had a field of their own keeps inside its params."""
+        if "amp_dtype" not in params or "device" not in params:
+            return None
+        fields = {name: params[name] for name in cls.model_fields if name in params}
+        fields.setdefault("schedule", params.get("schedule") or "constant")
+        try:
+            return cls.model_validate(fields)
+        except ValueError:
+            return None
+
+
 class Job(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
 
@@ -259,6 +291,8 @@ class Job(BaseModel):
     model: str
     dataset: str
     params: dict
+    device_choices: DeviceChoices | None = Field(
+        default=None, description="A training job: what the device that ran it chose (set when a delivery starts).")
     device: str | None = None
     requested_device: str = "auto"
     progress: Progress = Progress()
@@ -290,10 +324,15 @@ class Job(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _world_size_from_params(cls, data: Any) -> Any:
-        """The record keeps world_size in its params (decided at submit); the contract shows it on the job."""
-        if isinstance(data, dict) and "world_size" not in data and isinstance(data.get("params"), dict):
-            return {**data, "world_size": data["params"].get("world_size") or 1}
+    def _from_params(cls, data: Any) -> Any:
+        """The record keeps world_size in its params (decided at submit); the contract shows it on the job.
+        A record written before device choices had a field of their own shows those in its params there too."""
+        if not isinstance(data, dict) or not isinstance(data.get("params"), dict):
+            return data
+        if "world_size" not in data:
+            data = {**data, "world_size": data["params"].get("world_size") or 1}
+        if data.get("device_choices") is None and data.get("kind", JobKind.train) == JobKind.train:
+            data = {**data, "device_choices": DeviceChoices.legacy(data["params"])}
         return data
 
 

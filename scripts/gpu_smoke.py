@@ -165,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
             job = wait_for(lambda job_id=job_id: (j := client.get(f"/jobs/{job_id}").json())["status"]
                            in ("succeeded", "failed", "cancelled") and j, args.job_timeout, f"job {job_id}")
             check(job["status"] == "succeeded", f"{model} job {job_id} succeeded (error: {job['error']})")
-            params = job["params"]
+            params = {**job["params"], **(job.get("device_choices") or {})}  # what it ran with
             if gpu_mode:
                 check("/cuda:" in job["device"], f"{model} ran on {job['device']}")
                 check(str(params.get("device", "")).startswith("cuda"), f"{model} trained on torch device {params.get('device')}")

@@ -5,7 +5,7 @@ Every rank:
 - rank 0 opens the rendezvous store on its worker's advertised address, starts the gang record
   with that address and records the attempt's `ranks` in the job; the others got the address
   before they started (worker/gang.py);
-- loads the inputs and plans; rank 0 records the classes and the plan in the job's params, and
+- loads the inputs and plans; rank 0 records the classes and its device choices in the job, and
   the others take rank 0's precision (autocast dtype, gradient scaler: they must step alike);
 - marks itself ready, waits for every rank, joins the process group (gloo on CPUs, NCCL on GPUs,
   its timeout the gang's) and trains; rank 0 alone writes checkpoints and the job's state;
@@ -15,7 +15,6 @@ Every rank:
 from __future__ import annotations
 
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 
 from core.jobs import NotOwner
@@ -67,7 +66,7 @@ def _train(job: Job, rank: Rank) -> JobOutcome | None:
                          inputs.height, inputs.width)
     if ctx is not None:
         ctx.set_classes(inputs.data.classes)
-        ctx.set_params({**job.params, **plan.as_params(), "resize_size": inputs.resize})
+        ctx.record({"device_choices": plan.device.model_dump()})
         resume_from = ctx.resume_state()
         final_path = ctx.output_path("model.pt")
         reporter: JobReporter = LeaderReporter(ctx.reporter, rank)
@@ -76,8 +75,9 @@ def _train(job: Job, rank: Rank) -> JobOutcome | None:
             return ctx.scratch_path(f"resume-{epoch}.pt")
     else:
         rank.wait_ready({0})
-        recorded = runner.store.get(job.id).params  # rank 0's plan: every rank steps alike
-        plan = replace(plan, amp_dtype=recorded.get("amp_dtype"), grad_scaler=bool(recorded.get("grad_scaler")))
+        recorded = runner.store.get(job.id).device_choices  # rank 0's choices: every rank steps alike
+        if recorded is not None:
+            plan = plan.with_choices(amp_dtype=recorded.amp_dtype, grad_scaler=recorded.grad_scaler)
         pointer = runner.store.raw_field(job.id, "resume")
         resume_from = runner.paths.resolve(job.id, pointer) if pointer else None
         final_path = Path(tempfile.gettempdir()) / f"torchyard-{job.id}-rank{rank.seat.rank}.pt"  # never written

@@ -72,7 +72,7 @@ class JobContext:
     delivery: Delivery
 
     def set_params(self, params: dict[str, Any]) -> None:
-        """Replace the job's params (e.g. with this device's choices added)."""
+        """Replace the job's params (an export adds its parity check); a training job's are never rewritten."""
         self.delivery.set_params(params)
 
     def set_classes(self, classes: list[str]) -> None:

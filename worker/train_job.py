@@ -1,9 +1,10 @@
 """A training job on this worker's device: data in, checkpoint out.
 
 Reads the params stored at submit (core/params.py), loads the starting weights when the job has
-some (`init_from` a job, or `pretrained`: worker/init_weights.py), loads the dataset at the
-architecture's input size (and the starting weights' resize), lets `plan_training` add this
-device's choices (recorded into the job's params), and runs the loop of worker/trainer.py. Its
+some (`init_from` a job, or `pretrained`: worker/init_weights.py), loads the dataset at the input
+size and resize resolved at submit, lets `plan_training` make this device's choices (recorded
+beside the params as the job's `device_choices`, never into them), and runs the loop of
+worker/trainer.py. Its
 outcome is the final checkpoint and its sha256; the kept epoch, why training ended and the
 validation of the kept weights go into the job's record. A data-parallel job's ranks prepare the
 same inputs (`training_inputs`) and train in worker/gang_training.py.
@@ -22,7 +23,6 @@ from core.jobs import JobStore
 from core.params import TrainingParams
 from core.schemas import CheckpointInfo, Job
 from core.storage import CheckpointPaths, sha256_file
-from models.registry import get_model_spec
 from worker import init_weights
 from worker.data import ImageTensors, load_dataset
 from worker.init_weights import InitialWeights
@@ -47,15 +47,16 @@ class TrainingInputs:
 def training_inputs(job: Job, settings: Settings, catalog: DatasetCatalog, store: JobStore, paths: CheckpointPaths,
                     torch_device: str) -> TrainingInputs:
     params = TrainingParams.model_validate(job.params)  # resolved at submit (core/params.py)
-    spec = get_model_spec(job.model)
-    size = params.image_size
-    height, width = (size, size) if not spec.input.fixed_size else (spec.input.height, spec.input.width)
+    channels, height, width = params.input_for(job.model)
     device = torch.device(torch_device)
     initial = _initial_weights(job, params, settings, store, paths, device)
-    resize = round(height * initial.resize_ratio) if initial is not None and initial.resize_ratio else None
-    data = load_dataset(catalog.get(job.dataset), settings, spec.input.channels, height, width, seed=params.seed,
+    if "resize_size" in params.model_fields_set:  # resolved at submit
+        resize = params.resize_size
+    else:  # a record from before that: the starting weights' own ratio, as it was decided then
+        resize = round(height * initial.resize_ratio) if initial is not None and initial.resize_ratio else None
+    data = load_dataset(catalog.get(job.dataset), settings, channels, height, width, seed=params.seed,
                         resize_size=resize)
-    return TrainingInputs(params, spec.input.channels, height, width, initial, resize, data, device)
+    return TrainingInputs(params, channels, height, width, initial, resize, data, device)
 
 
 def run_train_job(job: Job, ctx: JobContext) -> JobOutcome:
@@ -63,7 +64,7 @@ def run_train_job(job: Job, ctx: JobContext) -> JobOutcome:
     ctx.set_classes(inputs.data.classes)
     plan = plan_training(job.id, job.model, inputs.params, inputs.data, inputs.device, inputs.channels,
                          inputs.height, inputs.width)
-    ctx.set_params({**job.params, **plan.as_params(), "resize_size": inputs.resize})
+    ctx.record({"device_choices": plan.device.model_dump()})
     # model.pt is this delivery's until it finishes the job; resume states are per epoch and
     # recorded with the epoch's metrics (worker/job_context.py).
     trainer = Trainer(plan, inputs.data, final_path=ctx.output_path("model.pt"), resume_from=ctx.resume_state(),

@@ -23,7 +23,7 @@ from torch import nn
 
 from core.defaults import EVAL_BATCH, TRAIN_BATCH_SIZE
 from core.params import TrainingParams, schedule_for
-from core.schemas import EpochMetrics, EvaluationResult, Progress
+from core.schemas import DeviceChoices, EpochMetrics, EvaluationResult, Progress
 from models.registry import build_model
 from worker import init_weights
 from worker.backoff import BatchBackoff
@@ -64,38 +64,21 @@ class NonFiniteLoss(Exception):
 
 @dataclass(frozen=True)
 class TrainingPlan:
-    """One run: the job's stored params plus this device's choices (recorded in the job's params)."""
+    """One run: the job's params as stored at submit, and this device's choices for them (recorded
+    beside the params as the job's `device_choices`), on input of channels × height × width."""
 
     job_id: str
     architecture: str
-    epochs: int
-    batch_size: int
-    learning_rate: float
-    optimizer: str
-    seed: int
-    val_fraction: float
+    params: TrainingParams
+    device: DeviceChoices
     channels: int
     height: int
     width: int
-    augment: bool
-    schedule: str
-    warmup_fraction: float
-    weight_decay: float
-    label_smoothing: float
-    patience: int
-    monitor: str
-    keep: str
-    device: str
-    amp_dtype: str | None
-    grad_scaler: bool
-    channels_last: bool
-    cudnn_benchmark: bool
-    data_on_device: bool
-    staging_buffers: int  # pinned staging buffers a streamed split goes through (0: resident)
 
-    def as_params(self) -> dict[str, Any]:
-        """What the job's params record: the stored ones plus the device's choices."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("job_id", "architecture")}
+    def with_choices(self, **changes: Any) -> TrainingPlan:
+        """The plan with some of the device's choices made otherwise (a gang's follower takes rank 0's
+        precision; the tests force a GPU's choices on the CPU)."""
+        return replace(self, device=self.device.model_copy(update=changes))
 
 
 @dataclass(frozen=True)
@@ -110,7 +93,7 @@ class TrainingResult:
 
 def plan_training(job_id: str, architecture: str, params: TrainingParams, data: ImageTensors,
                   device: torch.device, channels: int, height: int, width: int) -> TrainingPlan:
-    """Add this device's choices to the job's stored params: the fast path, every choice recorded."""
+    """This device's choices for the job's stored params: the fast path, every choice recorded."""
     cuda = device.type == "cuda"
     batch_size = params.batch_size or TRAIN_BATCH_SIZE[device.type]
     precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None, cpu_flags(),
@@ -121,16 +104,11 @@ def plan_training(job_id: str, architecture: str, params: TrainingParams, data: 
     if cuda:
         free, _ = torch.cuda.mem_get_info(device)
         on_device = data.images.numel() < RESIDENT_SHARE * free
-    return TrainingPlan(
-        job_id=job_id, architecture=architecture, epochs=params.epochs, batch_size=batch_size,
-        learning_rate=params.learning_rate, optimizer=params.optimizer, seed=params.seed,
-        val_fraction=params.val_fraction, channels=channels, height=height, width=width, augment=params.augment,
-        schedule=schedule_for(params, steps), warmup_fraction=params.warmup_fraction, weight_decay=params.decay,
-        label_smoothing=params.label_smoothing, patience=params.patience, monitor=params.monitor, keep=params.keep,
-        device=str(device), amp_dtype=precision.amp_dtype, grad_scaler=precision.grad_scaler,
-        channels_last=precision.channels_last,
-        cudnn_benchmark=cuda, data_on_device=on_device, staging_buffers=0 if on_device else STAGING_BUFFERS,
-    )
+    choices = DeviceChoices(
+        device=str(device), batch_size=batch_size, schedule=schedule_for(params, steps),
+        amp_dtype=precision.amp_dtype, grad_scaler=precision.grad_scaler, channels_last=precision.channels_last,
+        cudnn_benchmark=cuda, data_on_device=on_device, staging_buffers=0 if on_device else STAGING_BUFFERS)
+    return TrainingPlan(job_id, architecture, params, choices, channels, height, width)
 
 
 class Trainer:
@@ -150,22 +128,22 @@ class Trainer:
         self.dataset = dataset
         self.initial = initial
         self.resize_size = resize_size
-        self.device = torch.device(plan.device)
+        self.device = torch.device(plan.device.device)
         self.placement = placement or OneDevice()
 
     # ------------------------------------------------------------------ the run
     def run(self) -> TrainingResult:
-        plan, device = self.plan, self.device
-        torch.manual_seed(plan.seed)
-        if plan.cudnn_benchmark:
+        plan, params, choices, device = self.plan, self.plan.params, self.plan.device, self.device
+        torch.manual_seed(params.seed)
+        if choices.cudnn_benchmark:
             torch.backends.cudnn.benchmark = True
 
         classes = self.data.classes
-        train_idx, val_idx = split(len(self.data.labels), plan.val_fraction, plan.seed)
+        train_idx, val_idx = split(len(self.data.labels), params.val_fraction, params.seed)
         pre = self._preprocessing(train_idx)
         mean_t, std_t = stats_tensors(pre, device)
-        train = self._batches(train_idx, plan.batch_size)
-        val = self._batches(self.placement.shard(val_idx), max(plan.batch_size, EVAL_BATCH))
+        train = self._batches(train_idx, choices.batch_size)
+        val = self._batches(self.placement.shard(val_idx), max(choices.batch_size, EVAL_BATCH))
 
         model = build_model(plan.architecture, len(classes), plan.channels)
         lineage = None
@@ -173,39 +151,39 @@ class Trainer:
             head = init_weights.apply(model, plan.architecture, self.initial, classes)
             lineage = {**self.initial.lineage, "head": head}
         model = model.to(device)
-        if plan.channels_last:
+        if choices.channels_last:
             model = model.to(memory_format=torch.channels_last)
         meta = ModelMeta(plan.architecture, len(classes), classes, pre, plan.job_id, lineage=lineage)
 
         n = len(train)
-        bounds = batch_bounds(n, plan.batch_size)
+        bounds = batch_bounds(n, choices.batch_size)
         steps = len(bounds)
-        optimizer = make_optimizer(model, plan.optimizer, plan.learning_rate, plan.weight_decay)
-        scheduler = build_scheduler(optimizer, plan.schedule, total_steps=plan.epochs * steps,
-                                    warmup_fraction=plan.warmup_fraction, peak_lr=plan.learning_rate)
-        scaler = grad_scaler(device, plan.grad_scaler)
-        loss_fn = nn.CrossEntropyLoss(label_smoothing=plan.label_smoothing).to(device)
-        backoff = self._backoff(plan.batch_size, "training")
-        eval_backoff = self._backoff(max(plan.batch_size, EVAL_BATCH), "validation")
-        stopper = EarlyStopping(plan.monitor, plan.patience)
+        optimizer = make_optimizer(model, params.optimizer, params.learning_rate, params.decay)
+        scheduler = build_scheduler(optimizer, choices.schedule, total_steps=params.epochs * steps,
+                                    warmup_fraction=params.warmup_fraction, peak_lr=params.learning_rate)
+        scaler = grad_scaler(device, choices.grad_scaler)
+        loss_fn = nn.CrossEntropyLoss(label_smoothing=params.label_smoothing).to(device)
+        backoff = self._backoff(choices.batch_size, "training")
+        eval_backoff = self._backoff(max(choices.batch_size, EVAL_BATCH), "validation")
+        stopper = EarlyStopping(params.monitor, params.patience)
         history: list[EpochMetrics] = []
         run = ResumableRun(model, optimizer, scheduler, scaler, stopper, backoff, device)
         start_epoch, best, stop_reason = run.restore(self.resume_from, history) if self.resume_from else (1, None, None)
         if start_epoch > 1:
             log.info("job %s resumes after epoch %d", plan.job_id, start_epoch - 1)
             self.reporter.resumed(start_epoch - 1)
-        steps_runner = StepRunner(device, self.placement, augment=plan.augment, channels_last=plan.channels_last,
+        steps_runner = StepRunner(device, self.placement, augment=params.augment, channels_last=choices.channels_last,
                                   autocast=self._autocast, one_image_split=n == 1)
         train_model = self.placement.wrap(model)  # a gang's rank: DistributedDataParallel
 
         def validate(net: nn.Module, batches: Batches, back_off: BatchBackoff | None = eval_backoff) -> Measured | None:
             return measure(net, batches, len(classes), mean=mean_t, std=std_t, device=device, backoff=back_off,
-                           channels_last=plan.channels_last, autocast=self._autocast, batch_size=eval_backoff.size,
+                           channels_last=choices.channels_last, autocast=self._autocast, batch_size=eval_backoff.size,
                            should_stop=self.should_stop)
 
         # Each shape of an epoch tuned before its clock starts (worker/warmup.py), on one device: a gang's
         # ranks would each need the same twin steps in lockstep (their BatchNorm's collectives).
-        if plan.cudnn_benchmark and isinstance(self.placement, OneDevice):
+        if choices.cudnn_benchmark and isinstance(self.placement, OneDevice):
             shapes = epoch_shapes((plan.channels, plan.height, plan.width), bounds, len(val), eval_backoff.size)
             warm_up(model, optimizer, scaler, shapes, validate=lambda net, batches: validate(net, batches, None),
                     step=lambda net, opt, scl, x, y, gen: steps_runner.accumulate(net, opt, scl, loss_fn, x, y, gen,
@@ -213,13 +191,13 @@ class Trainer:
 
         last_measured: Measured | None = None
         epoch = start_epoch - 1
-        for epoch in range(start_epoch, plan.epochs + 1):
+        for epoch in range(start_epoch, params.epochs + 1):
             if stop_reason is not None:  # an earlier delivery stopped early and died before saving
                 break
             # The order depends only on (seed, epoch), so a resumed job sees the same batches.
-            index_gen = torch.Generator(device=train.index_device).manual_seed(plan.seed * 100_003 + epoch)
+            index_gen = torch.Generator(device=train.index_device).manual_seed(params.seed * 100_003 + epoch)
             order = torch.randperm(n, device=train.index_device, generator=index_gen)
-            aug_gen = torch.Generator(device=device).manual_seed(plan.seed * 100_003 + epoch + 1)
+            aug_gen = torch.Generator(device=device).manual_seed(params.seed * 100_003 + epoch + 1)
             model.train()
             loss_sum = torch.zeros((), device=device)
             correct = torch.zeros((), device=device, dtype=torch.int64)
@@ -238,12 +216,12 @@ class Trainer:
                 correct += step_correct
                 if time.perf_counter() - last_report >= PROGRESS_EVERY_S:
                     last_report = time.perf_counter()
-                    self.reporter.progress(Progress(epoch=epoch, epochs=plan.epochs, step=step, steps=steps))
+                    self.reporter.progress(Progress(epoch=epoch, epochs=params.epochs, step=step, steps=steps))
             loss_sum, correct = self.placement.reduce_sums(loss_sum, correct)
             train_loss = float(loss_sum) / n
             if not math.isfinite(train_loss):
                 raise NonFiniteLoss(f"the training loss became {train_loss} in epoch {epoch}; "
-                                    f"try a lower learning_rate (was {plan.learning_rate})")
+                                    f"try a lower learning_rate (was {params.learning_rate})")
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds = time.perf_counter() - started
@@ -251,9 +229,9 @@ class Trainer:
             last_measured = measured
             if measured is not None and stopper.update(epoch, Score(measured.accuracy, measured.loss)):
                 best = BestEpoch.of(epoch, model, measured)
-            if stopper.should_stop and epoch < plan.epochs:
+            if stopper.should_stop and epoch < params.epochs:
                 stop_reason = stopper.reason()
-            final_epoch = epoch == plan.epochs or stop_reason is not None
+            final_epoch = epoch == params.epochs or stop_reason is not None
             metrics = EpochMetrics(
                 epoch=epoch, train_loss=round(train_loss, 6), train_accuracy=round(int(correct) / n, 6),
                 val_loss=measured.loss if measured else None, val_accuracy=measured.accuracy if measured else None,
@@ -267,7 +245,7 @@ class Trainer:
             if self.placement.leader:  # rank 0 writes it: every rank of a gang holds the same state
                 run.save(resume, epoch, history, best, stop_reason)
             self.reporter.epoch(metrics, resume)
-            self.reporter.progress(Progress(epoch=epoch, epochs=plan.epochs, step=steps, steps=steps))
+            self.reporter.progress(Progress(epoch=epoch, epochs=params.epochs, step=steps, steps=steps))
             if stop_reason is not None:
                 self.reporter.notice("early_stop", {"epoch": epoch, "best_epoch": stopper.best_epoch}, stop_reason)
                 break
@@ -275,12 +253,12 @@ class Trainer:
         stop_reason = stop_reason or f"completed {epochs_run} epochs"
 
         kept_epoch, kept = epochs_run, last_measured
-        if plan.keep == "best" and best is not None:
+        if params.keep == "best" and best is not None:
             model.load_state_dict(best.state_dict)
             kept_epoch, kept = best.epoch, best.measured
         elif kept is None and best is not None and best.epoch == epochs_run:
             kept = best.measured  # resumed after the last epoch's checkpoint: its validation is in resume.pt
-        meta = replace(meta, training={"best_epoch": kept_epoch, "keep": plan.keep, "stop_reason": stop_reason,
+        meta = replace(meta, training={"best_epoch": kept_epoch, "keep": params.keep, "stop_reason": stop_reason,
                                        "epochs_run": epochs_run})
         if self.placement.leader:
             save_model(self.final_path, model, meta)
@@ -300,9 +278,9 @@ class Trainer:
 
     def _batches(self, index: torch.Tensor, capacity: int) -> Batches:
         images, labels = self.data.images[index], self.data.labels[index]
-        if self.plan.data_on_device:
+        if self.plan.device.data_on_device:
             return ResidentBatches(images, labels, self.device)
-        return StagedBatches(images, labels, self.device, capacity, buffers=self.plan.staging_buffers)
+        return StagedBatches(images, labels, self.device, capacity, buffers=self.plan.device.staging_buffers)
 
     def _backoff(self, size: int, what: str) -> BatchBackoff:
         def notify(message: str, data: dict[str, Any]) -> None:
@@ -316,4 +294,4 @@ class Trainer:
         return self.placement.backoff(size, what, notify, release)
 
     def _autocast(self) -> Any:
-        return autocast(self.device, self.plan.amp_dtype)
+        return autocast(self.device, self.plan.device.amp_dtype)

@@ -124,7 +124,7 @@ def test_two_workers_routing_lock_offline_and_back(clean_redis_url: str, tmp_pat
         assert busy["current_job"] in (first["id"], second["id"])
         first, second, other = (succeeded(client, j["id"]) for j in (first, second, other))
         assert first["device"] == second["device"] == A and other["device"] == B
-        assert first["params"]["device"] == "cpu" and first["attempts"] == second["attempts"] == 1
+        assert first["device_choices"]["device"] == "cpu" and first["attempts"] == second["attempts"] == 1
         (s1, f1), (s2, f2) = span(first), span(second)
         assert f1 <= s2 or f2 <= s1, f"jobs on {A} overlapped: {first} {second}"
         wait_until(lambda: device_is(client, A, "idle"), timeout=30, what="hosta idle again")

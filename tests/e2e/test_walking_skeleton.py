@@ -34,7 +34,8 @@ def test_train_predict_and_devices(stack: dict) -> None:
     assert [m["epoch"] for m in done["metrics"]] == [1, 2]
     assert done["metrics"][-1]["val_accuracy"] >= 0.9
     assert done["progress"]["epoch"] == 2 and done["progress"]["step"] == done["progress"]["steps"]
-    assert done["params"]["batch_size"] == 128 and done["params"]["device"] == "cpu"
+    assert done["params"]["batch_size"] is None  # left open at submit: the device type's, chosen on the worker
+    assert done["device_choices"]["batch_size"] == 128 and done["device_choices"]["device"] == "cpu"
     assert done["checkpoint"]["sha256"] and done["checkpoint"]["bytes"] > 0
     assert done["started_at"] and done["finished_at"]
 

@@ -7,7 +7,6 @@ does; the CPU twins of the same code run in the default suite."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +35,7 @@ def _trainer(tmp_path: Path, epochs: int, reporter: Reporter, stop=lambda: None,
     params = resolve_params(JobSpec(model="cifar_net", dataset="fake", epochs=epochs, val_fraction=0.2, batch_size=64))
     plan = plan_training("gpu1", "cifar_net", params, data, CUDA, 3, 32, 32)
     # fp16 with a GradScaler, what a compute capability 7.x GPU gets, on whatever GPU runs the test
-    plan = replace(plan, amp_dtype="float16", grad_scaler=True)
+    plan = plan.with_choices(amp_dtype="float16", grad_scaler=True)
     return Trainer(plan, data, final_path=tmp_path / "model.pt", resume_from=resume_from,
                    resume_to=lambda epoch: tmp_path / f"resume-{epoch}.pt", reporter=reporter, should_stop=stop)
 
@@ -143,8 +142,8 @@ def test_a_job_trains_through_the_pinned_staging_buffers(tmp_path: Path) -> None
     the split resident (the `fake` set's patterns: well above chance after two epochs)."""
     data = small_fake(640)
     params = resolve_params(JobSpec(model="cifar_net", dataset="fake", epochs=2, val_fraction=0.2, batch_size=64))
-    plan = replace(plan_training("gpu2", "cifar_net", params, data, CUDA, 3, 32, 32), data_on_device=False,
-                   staging_buffers=3)
+    plan = plan_training("gpu2", "cifar_net", params, data, CUDA, 3, 32, 32).with_choices(data_on_device=False,
+                                                                                          staging_buffers=3)
     reporter = Reporter()
     Trainer(plan, data, final_path=tmp_path / "model.pt", resume_from=None,
             resume_to=lambda epoch: tmp_path / f"resume-{epoch}.pt", reporter=reporter, should_stop=lambda: None).run()

@@ -6,7 +6,6 @@ weights with a new head."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -34,7 +33,7 @@ def trainer(tmp_path: Path, data: ImageTensors, reporter: Reporter, stop=lambda:
     plan_fields = {k: spec_and_plan.pop(k) for k in ("amp_dtype", "grad_scaler") if k in spec_and_plan}
     spec = JobSpec(model="cifar_net", dataset="fake", **{"val_fraction": 0.2, "batch_size": 64, **spec_and_plan})
     plan = plan_training("job1", "cifar_net", resolve_params(spec), data, torch.device("cpu"), 3, 32, 32)
-    return Trainer(replace(plan, **plan_fields), data, final_path=tmp_path / "model.pt",
+    return Trainer(plan.with_choices(**plan_fields), data, final_path=tmp_path / "model.pt",
                    resume_from=last_resume(tmp_path), resume_to=lambda epoch: tmp_path / f"resume-{epoch}.pt",
                    reporter=reporter, should_stop=stop, dataset="fake")
 
@@ -69,8 +68,10 @@ def test_a_cpu_gets_bf16_where_it_multiplies_bf16_natively() -> None:
     plan = plan_training("j", "cifar_net", resolve_params(JobSpec(model="cifar_net", dataset="fake")), small_fake(10),
                          torch.device("cpu"), 3, 32, 32)
     native = bool(NATIVE_BF16_CPU_FLAGS & cpu_flags())  # this host's CPU, as /proc/cpuinfo lists it
-    assert (plan.amp_dtype, plan.channels_last) == (("bfloat16", True) if native else (None, False))
-    assert not plan.grad_scaler and not plan.cudnn_benchmark and plan.data_on_device and plan.staging_buffers == 0
+    assert (plan.device.amp_dtype, plan.device.channels_last) == (("bfloat16", True) if native else (None, False))
+    choices = plan.device
+    assert not choices.grad_scaler and not choices.cudnn_benchmark and choices.data_on_device
+    assert choices.staging_buffers == 0
 
 
 def test_a_job_may_ask_for_fp32_on_any_device() -> None:
@@ -80,7 +81,9 @@ def test_a_job_may_ask_for_fp32_on_any_device() -> None:
     assert choose_precision("cuda", (7, 5), mixed=False) == Precision(None, False, True)
     params = resolve_params(JobSpec(model="cifar_net", dataset="fake", precision="fp32"))
     plan = plan_training("j", "cifar_net", params, small_fake(10), torch.device("cpu"), 3, 32, 32)
-    assert (params.precision, plan.amp_dtype, plan.grad_scaler, plan.channels_last) == ("fp32", None, False, False)
+    choices = plan.device
+    assert (params.precision, choices.amp_dtype, choices.grad_scaler, choices.channels_last) == ("fp32", None, False,
+                                                                                           False)
 
 
 def test_fp16_with_the_gradient_scaler_trains_and_resumes_on_cpu(tmp_path: Path) -> None:
@@ -303,6 +306,6 @@ def test_the_default_schedule_needs_room_and_a_named_one_always_applies() -> Non
     def plan(epochs: int, **spec) -> str:
         params = resolve_params(JobSpec(model="cifar_net", dataset="fake", epochs=epochs, batch_size=64,
                                         val_fraction=0.2, **spec))
-        return plan_training("j", "cifar_net", params, data, torch.device("cpu"), 3, 32, 32).schedule
+        return plan_training("j", "cifar_net", params, data, torch.device("cpu"), 3, 32, 32).device.schedule
     assert plan(6) == "constant" and plan(7) == "cosine"  # 192 steps < 200 <= 224
     assert plan(1, schedule="cosine") == "cosine"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -44,11 +43,10 @@ def small_fake(n: int = 400) -> ImageTensors:
 
 
 def make_trainer(tmp_path: Path, data: ImageTensors, epochs: int, reporter: Reporter, stop=lambda: None,
-                 resume_from: Path | None = None, **overrides) -> Trainer:
+                 resume_from: Path | None = None, augment: bool = False, **choices) -> Trainer:
     params = resolve_params(JobSpec(model="cifar_net", dataset="fake", epochs=epochs, val_fraction=0.2,
-                                    batch_size=64))
-    plan = plan_training("job1", "cifar_net", params, data, torch.device("cpu"), 3, 32, 32)
-    plan = replace(plan, **overrides)
+                                    batch_size=64, augment=augment))
+    plan = plan_training("job1", "cifar_net", params, data, torch.device("cpu"), 3, 32, 32).with_choices(**choices)
     return Trainer(plan, data, final_path=tmp_path / "model.pt", resume_from=resume_from,
                    resume_to=lambda epoch: tmp_path / f"resume-{epoch}.pt", reporter=reporter, should_stop=stop)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,7 +35,7 @@ def run_job(folder: Path, data: ImageTensors, *, warm_up: bool, model: str = MOD
             should_stop: Callable[[], str | None] = lambda: None, **spec) -> Reporter:
     """A job as a GPU worker plans it (cudnn_benchmark, which turns the warm-up on), on the CPU."""
     params = resolve_params(JobSpec(model=model, dataset="fake", **spec))
-    plan = replace(plan_training("job1", model, params, data, torch.device("cpu"), 3, 32, 32), cudnn_benchmark=warm_up)
+    plan = plan_training("job1", model, params, data, torch.device("cpu"), 3, 32, 32).with_choices(cudnn_benchmark=warm_up)
     reporter = Reporter()
     Trainer(plan, data, final_path=folder / "model.pt", resume_from=resume_from,
             resume_to=lambda epoch: folder / f"resume-{epoch}.pt", reporter=reporter, should_stop=should_stop).run()

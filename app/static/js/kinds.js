@@ -27,13 +27,14 @@ export function progressOf(kind, p, status) {
 // The line under a job's title: what it is, what it ran with, how it ended.
 export function describe(job) {
   const p = job.params || {};
+  const ran = job.device_choices || {};  // what the device chose: the batch and schedule that ran
   const kind = kindOf(job);
   const dataset = job.dataset_name || job.dataset;
   const where = job.device ? `on ${job.device}` : `device ${job.requested_device}`;
   const parts = [];
   if (kind === "train") {
-    parts.push(`${job.model} on ${dataset}`, where, `${p.epochs} epochs`, `batch ${p.batch_size ?? "auto"}`,
-      `${p.optimizer} lr ${p.learning_rate}` + (p.schedule ? ` ${p.schedule}` : ""));
+    parts.push(`${job.model} on ${dataset}`, where, `${p.epochs} epochs`, `batch ${ran.batch_size ?? p.batch_size ?? "auto"}`,
+      `${p.optimizer} lr ${p.learning_rate}` + ((ran.schedule ?? p.schedule) ? ` ${ran.schedule ?? p.schedule}` : ""));
     if (p.init_from) parts.push(["from job ", jobLink(p.init_from)]);
     if (p.pretrained) parts.push("from ImageNet weights");
     if (job.best_epoch) parts.push(`weights of epoch ${job.best_epoch}`);
