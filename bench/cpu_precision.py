@@ -129,8 +129,7 @@ def accuracy(epochs: int) -> None:
 
     import torch
 
-    from core.params import resolve_params
-    from core.schemas import JobSpec
+    from core.kinds.train import JobSpec, resolve_params
     from worker.data import load_fake
     from worker.trainer import Trainer, plan_training
 

@@ -22,8 +22,8 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import torch
 torch.set_num_threads(1)
-from core.params import resolve_params
-from core.schemas import JobSpec
+from core.kinds.train import resolve_params
+from core.kinds.train import JobSpec
 from worker.data import ImageTensors, load_fake
 from worker.trainer import Trainer, plan_training
 full = load_fake(3, 32, 32, seed=7)

@@ -13,8 +13,8 @@ the best epoch's for the new one), for each seed and their mean:
 - shapes: tests/datagen.py's ImageFolder zip (3 classes × 60 images), catdog_net and resnet18.
 
 Recipes: `old` is what every job ran with before docs/training.md's recipe (adam 1e-3 constant,
-no weight decay, no label smoothing, the last epoch's weights): the legacy values core/params.py
-still reads older records with. `new` is the current defaults (core/params.py `RECIPE`). Extra
+no weight decay, no label smoothing, the last epoch's weights): the legacy values core/kinds/train.py
+still reads older records with. `new` is the current defaults (core/defaults.py `RECIPE`). Extra
 recipes are JSON objects of JobSpec fields: --recipe 'name={"schedule": "cosine"}'.
 """
 
@@ -70,8 +70,7 @@ def main() -> None:
 
     import torch
 
-    from core.params import resolve_params
-    from core.schemas import JobSpec
+    from core.kinds.train import JobSpec, resolve_params
     from models.registry import get_model_spec
     from tests.datagen import shapes_zip, write_cifar10, write_mnist
     from worker.data import load_fake, load_image_folder, load_torchvision

@@ -43,7 +43,7 @@ from core.config import Settings
 from core.datasets import DatasetRecord, split_sizes
 from core.defaults import EVAL_BATCH, TRAIN_BATCH_SIZE
 from core.errors import InvalidInput
-from core.params import TrainingParams
+from core.kinds.train import TrainingParams
 from core.schemas import Device
 from models.registry import MODELS, ModelSpec
 

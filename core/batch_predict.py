@@ -2,7 +2,7 @@
 
 `POST /jobs` with `"kind": "predict"` creates a job of kind `predict` (the lifecycle of every
 kind: queued → running → succeeded, leases, redelivery, cancel, events); the worker's handler
-(worker/predict_job.py) writes one JSON line per image into the job's `results.jsonl`, which
+(worker/kinds/predict.py) writes one JSON line per image into the job's `results.jsonl`, which
 `GET /jobs/{id}/results` streams once the job succeeded. This module is the API's side: what a
 submission must name (a succeeded training job, directly or through an alias resolved once, here;
 an uploaded dataset, labelled or not; a top-k the model can answer) and where the file is.
@@ -18,32 +18,24 @@ from __future__ import annotations
 from pathlib import Path
 
 from core.aliases import AliasStore
-from core.datasets import DatasetCatalog
-from core.devices import DeviceRegistry
 from core.errors import Conflict, InvalidInput, NotFound
-from core.jobs import JobStore, body_digest
+from core.kinds import predict
+from core.kinds.predict import PredictSpec
 from core.lineage import record_dependent, trained_source
-from core.schemas import Job, JobKind, JobStatus, PredictSpec
+from core.schemas import Job, JobKind, JobStatus
 from core.storage import CheckpointPaths
+from core.submission import Submitter
 
 RESULTS_FILE = "results.jsonl"
 RESULTS_MEDIA_TYPE = "application/x-ndjson"
 
 
-class BatchPredictions:
-    def __init__(self, store: JobStore, catalog: DatasetCatalog, devices: DeviceRegistry,
-                 paths: CheckpointPaths) -> None:
-        self.store = store
-        self.catalog = catalog
-        self.devices = devices
-        self.paths = paths
-
+class BatchPredictions(Submitter):
     def submit(self, spec: PredictSpec, idempotency_key: str | None = None) -> tuple[Job, bool]:
         """Queue a predict job. 404 an unknown job or alias, 409 a training job without a checkpoint
         (yet), 422 a job that is not a training job, a dataset that is unknown or built in, a top_k
         beyond the model's classes, a device nobody could be."""
-        digest = body_digest(JobKind.predict, spec.model_dump(mode="json"))
-        earlier = self.store.replay(idempotency_key, digest)
+        digest, earlier = self.replay(JobKind.predict, spec.model_dump(mode="json"), idempotency_key)
         if earlier is not None:  # a retry: its job, whatever changed since it was checked
             return earlier, False
         trained_id = self._trained_job_id(spec)
@@ -58,9 +50,8 @@ class BatchPredictions:
                                f"files (POST /datasets, labels=none for a folder without classes)")
         dataset = self.catalog.claim_for_job(dataset.id)  # marked as used: not deleted before the job exists
         device = self.devices.validate_request(spec.device)
-        params = {"trained_job": trained_id, "alias": spec.alias, "top_k": spec.top_k,
-                  "batch_size": spec.batch_size, "labeled": dataset.labeled, "images": dataset.num_images}
-        job, created = self.store.create(model=trained.model, dataset=dataset.id, params=params,
+        params = predict.resolve(trained_id, spec, dataset)
+        job, created = self.store.create(model=trained.model, dataset=dataset.id, params=params.model_dump(),
                                          requested_device=device, idempotency_key=idempotency_key,
                                          kind=JobKind.predict, body_digest=digest)
         if created:

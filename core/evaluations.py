@@ -2,7 +2,7 @@
 
 `POST /jobs/{id}/evaluate` creates a job of kind `evaluate` (same lifecycle as training: queued →
 running → succeeded, leases, redelivery, events) whose params name the trained job; the worker's
-handler (worker/evaluate_job.py) writes the result into that job's record (`evaluation`). The
+handler (worker/kinds/evaluate.py) writes the result into that job's record (`evaluation`). The
 trained job lists its evaluations through an index (`ty:job:<id>:evaluations`), so
 `GET /jobs/{id}` shows them and `GET /jobs/{id}/evaluations/{eid}` reads one.
 """
@@ -12,32 +12,24 @@ from __future__ import annotations
 import time
 
 from core import keys
-from core.datasets import DatasetCatalog, DatasetRecord, builtin_classes
-from core.devices import DeviceRegistry
+from core.datasets import DatasetRecord, builtin_classes
 from core.errors import InvalidInput, NotFound
-from core.jobs import JobStore, body_digest
+from core.kinds import evaluate
+from core.kinds.evaluate import EvaluateParams, EvaluateSpec
 from core.lineage import record_dependent, trained_source
-from core.schemas import EvaluateSpec, Evaluation, Job, JobKind
-from core.storage import CheckpointPaths
-from core.submission import check_two_classes, unlabeled_message
+from core.schemas import Evaluation, Job, JobKind
+from core.submission import Submitter, check_two_classes, unlabeled_message
 
 # GET /jobs/{id} shows this many of a job's evaluations, newest first.
 LISTED_EVALUATIONS = 50
 
 
-class Evaluations:
-    def __init__(self, store: JobStore, catalog: DatasetCatalog, devices: DeviceRegistry,
-                 paths: CheckpointPaths) -> None:
-        self.store = store
-        self.catalog = catalog
-        self.devices = devices
-        self.paths = paths
-
+class Evaluations(Submitter):
     def submit(self, job_id: str, spec: EvaluateSpec, idempotency_key: str | None = None) -> tuple[Evaluation, bool]:
         """Queue an evaluation of `job_id`'s checkpoint on `spec.dataset`. 404 unknown job, 409 a job
         without a checkpoint (yet), 422 a dataset that is unknown, unavailable or has other classes."""
-        digest = body_digest(JobKind.evaluate, {"job": job_id, **spec.model_dump(mode="json")})
-        earlier = self.store.replay(idempotency_key, digest)
+        digest, earlier = self.replay(JobKind.evaluate, {"job": job_id, **spec.model_dump(mode="json")},
+                                      idempotency_key)
         if earlier is not None:  # a retry: its evaluation, whatever changed since it was checked
             return self.view(earlier), False
         trained = trained_source(self.store, self.paths, job_id, "to evaluate")
@@ -50,7 +42,7 @@ class Evaluations:
         _check_classes(trained, dataset)
         device = self.devices.validate_request(spec.device)
         job, created = self.store.create(model=trained.model, dataset=dataset.id,
-                                         params={"trained_job": job_id, "batch_size": spec.batch_size},
+                                         params=evaluate.resolve(job_id, spec).model_dump(),
                                          requested_device=device, idempotency_key=idempotency_key,
                                          kind=JobKind.evaluate, body_digest=digest)
         if created:
@@ -60,7 +52,7 @@ class Evaluations:
 
     def get(self, job_id: str, evaluation_id: str) -> Evaluation:
         job = self.store.get(evaluation_id)
-        if job.kind is not JobKind.evaluate or job.params.get("trained_job") != job_id:
+        if job.kind is not JobKind.evaluate or EvaluateParams.model_validate(job.params).trained_job != job_id:
             raise NotFound(f"job {job_id} has no evaluation {evaluation_id}")
         return self.view(job)
 
@@ -82,7 +74,7 @@ class Evaluations:
 
     def view(self, job: Job) -> Evaluation:
         self.catalog.annotate([job])
-        return Evaluation(id=job.id, job_id=str(job.params.get("trained_job")), status=job.status,
+        return Evaluation(id=job.id, job_id=EvaluateParams.model_validate(job.params).trained_job, status=job.status,
                           dataset=job.dataset, dataset_name=job.dataset_name, device=job.device, error=job.error,
                           created_at=job.created_at, finished_at=job.finished_at, result=job.evaluation)
 

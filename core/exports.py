@@ -1,6 +1,6 @@
 """Exports: a trained job's model as a file that runs without torchyard (TorchScript or ONNX).
 
-An export is built by a job of kind `export` on a worker (worker/export_job.py), never in the API
+An export is built by a job of kind `export` on a worker (worker/kinds/export.py), never in the API
 process: it loads the checkpoint, traces or exports the network behind its normalisation, and
 checks the file against the checkpoint before it succeeds. This module is the API's side: which
 export job builds a (checkpoint sha256, format) pair, and what GET /jobs/{id}/export answers:
@@ -12,7 +12,8 @@ export job builds a (checkpoint sha256, format) pair, and what GET /jobs/{id}/ex
   lacked the `export` extra; `retry=true` builds it again;
 - none yet, or it was cancelled → a new export job, 202.
 
-The export job's parameters (`ExportParams`) are written here at creation and read by the worker.
+The export job's parameters (core/kinds/export.py `ExportParams`) are written here at creation and read
+by the worker (worker/kinds/export.py).
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import time
 from pathlib import Path
 
 import redis
-from pydantic import BaseModel
 
 from core import keys
 from core.errors import Conflict, InvalidInput, NotAvailableHere, NotFound, Unavailable
 from core.jobs import JobStore
+from core.kinds.export import ExportParams
 from core.lineage import record_dependent
 from core.schemas import ExportFormat, Job, JobKind, JobStatus
 from core.storage import CheckpointPaths
@@ -36,14 +37,6 @@ UNAVAILABLE_PREFIX = "export unavailable: "
 _FILENAMES = {ExportFormat.torchscript: "model.torchscript.pt", ExportFormat.onnx: "model.onnx"}
 MEDIA_TYPES = {ExportFormat.torchscript: "application/octet-stream", ExportFormat.onnx: "application/octet-stream"}
 _LOCK_TTL_S = 30
-
-
-class ExportParams(BaseModel):
-    """What an export job builds, stored as its `params`."""
-
-    source_job_id: str
-    format: ExportFormat
-    checkpoint_sha256: str
 
 
 def export_path(paths: CheckpointPaths, export_job_id: str, fmt: ExportFormat) -> Path:
@@ -94,7 +87,7 @@ class ExportCatalog:
         if job.kind is not JobKind.train or job.checkpoint is None:
             return []
         exports = (self._current(job.checkpoint.sha256, fmt) for fmt in ExportFormat)
-        return [e.id for e in exports if e is not None and e.params.get("source_job_id") == job.id]
+        return [e.id for e in exports if e is not None and ExportParams.model_validate(e.params).source_job_id == job.id]
 
     def _current(self, sha: str, fmt: ExportFormat) -> Job | None:
         export_id = self.redis.get(keys.export(sha, fmt.value))

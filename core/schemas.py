@@ -4,20 +4,11 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from core import defaults
-from core.defaults import (
-    EVAL_BATCH,
-    LEARNING_RATE,
-    PREDICT_BATCH_SIZE,
-    RECIPE,
-    TRAIN_BATCH_SIZE,
-    WEIGHT_DECAY,
-    per_device,
-)
 
 
 class JobStatus(StrEnum):
@@ -32,14 +23,9 @@ class JobStatus(StrEnum):
         return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
 
 
-# The most devices one job may ask for (POST /jobs `world_size`): far beyond any host, bounded so a
-# request cannot make the scheduler walk an absurd list.
-MAX_WORLD_SIZE = 256
-_DEVICE = f'"auto", "cuda", "cpu" or a device id. Default: "{defaults.DEVICE}".'
-
-
-def _per_optimizer(table: dict[str, float]) -> str:
-    return ", ".join(f"{name} {value:g}" for name, value in table.items())
+# Field texts every kind's request shares (core/kinds/).
+DEVICE_DESCRIPTION = f'"auto", "cuda", "cpu" or a device id. Default: "{defaults.DEVICE}".'
+DATASET_DESCRIPTION = "A dataset id, or the unique name it was uploaded with."
 
 
 class JobKind(StrEnum):
@@ -50,114 +36,6 @@ class JobKind(StrEnum):
     predict = "predict"  # a trained model over a folder of images → a results file (batch inference)
     evaluate = "evaluate"  # a trained model on a dataset → accuracy, loss, confusion matrix
     export = "export"  # a trained model → a file that runs without torchyard (TorchScript, ONNX)
-
-
-class JobSpec(BaseModel):
-    """What a user asks for in POST /jobs. Everything but model and dataset has a default; a field
-    left out (or null) takes the default core/params.py decides at submit (core/defaults.py's table)."""
-
-    model_config = ConfigDict(extra="forbid", protected_namespaces=())
-
-    kind: Literal[JobKind.train] = JobKind.train
-    model: str = Field(min_length=1, max_length=64)
-    dataset: str = Field(min_length=1, max_length=200, description="A dataset id, or the unique name it was "
-                                                                    "uploaded with.")
-    epochs: int = Field(default=defaults.EPOCHS, ge=1, le=1000)
-    batch_size: int | None = Field(default=None, ge=1, le=8192,
-                                   description=f"Default: {per_device(TRAIN_BATCH_SIZE)}.")
-    learning_rate: float | None = Field(default=None, gt=0, le=10, description="Default: per optimizer ("
-                                        + _per_optimizer(LEARNING_RATE) + "). With a schedule, the peak learning rate.")
-    optimizer: defaults.Optimizer | None = Field(default=None, description=f"Default: {RECIPE.optimizer}.")
-    device: str = Field(default=defaults.DEVICE, max_length=200, description=_DEVICE)
-    seed: int = Field(default=defaults.SEED, ge=0, le=2**31 - 1)
-    val_fraction: float = Field(default=defaults.VAL_FRACTION, ge=0.0, lt=1.0)
-    image_size: int | None = Field(default=None, ge=16, le=512, description="Square input size for resizable models.")
-    augment: bool | None = Field(default=None, description="Random crop (4-pixel reflected padding) and horizontal "
-                                 f"flip drawn per image, on the device. Default: {'on' if RECIPE.augment else 'off'}.")
-    # --- the training recipe (docs/training.md says what each default is and why) ---------
-    schedule: defaults.Schedule | None = Field(
-        default=None, description=f"Learning-rate schedule, stepped every step. Default: {RECIPE.schedule} (after a "
-                                  f"linear warm-up) when the run has at least {RECIPE.min_schedule_steps} optimizer "
-                                  "steps; a shorter run keeps the rate constant, and its device_choices record `constant`.")
-    warmup_fraction: float | None = Field(default=None, ge=0.0, lt=1.0, description="Share of the steps spent "
-                                          "warming up (onecycle's rise, cosine's linear warm-up). Default: "
-                                          f"{RECIPE.warmup_fraction['cosine']:g} (cosine), "
-                                          f"{RECIPE.warmup_fraction['onecycle']:g} (onecycle).")
-    weight_decay: float | None = Field(default=None, ge=0.0, le=1.0,
-                                       description=f"Default: per optimizer ({_per_optimizer(WEIGHT_DECAY)}).")
-    label_smoothing: float | None = Field(default=None, ge=0.0, lt=1.0,
-                                          description=f"Default: {RECIPE.label_smoothing:g} (off).")
-    patience: int | None = Field(default=None, ge=0, le=1000, description="Early stopping: stop after this many "
-                                 f"epochs without a better `monitor`; 0 turns it off. Default: {RECIPE.patience}.")
-    monitor: defaults.Monitor | None = Field(
-        default=None, description=f"What early stopping and the best epoch are judged by. Default: {RECIPE.monitor} "
-                                  "(ties broken by the lower val_loss).")
-    keep: defaults.Keep | None = Field(default=None, description="Which weights the checkpoint keeps: "
-                                                 "the best validation epoch's or the last epoch's. "
-                                                 f"Default: {RECIPE.keep}.")
-    init_from: str | None = Field(default=None, min_length=1, max_length=128, description="Start from the weights "
-                                  "of this succeeded job (same model); a new classifier head when classes differ.")
-    pretrained: bool = Field(default=False, description="Start from torchvision's ImageNet weights (resnet18, "
-                             "mobilenet_v3_small), with their preprocessing.")
-    precision: defaults.Precision = Field(
-        default=defaults.PRECISION, description="auto: mixed precision where the device computes it natively (bf16 "
-                                    "on CUDA 8.0+ and on CPUs with native bf16, fp16 with a gradient scaler on CUDA "
-                                    "7.x); fp32: full precision everywhere (results reproducible to fp32 rounding, "
-                                    "e.g. across world sizes), at the speed mixed precision would have saved. "
-                                    f"Default: {defaults.PRECISION}.")
-    # --- data-parallel training on several devices (docs/training.md "One job on many devices") ---
-    world_size: int = Field(default=defaults.WORLD_SIZE, ge=1, le=MAX_WORLD_SIZE, description="Devices that train "
-                            "the job together (DistributedDataParallel, one rank per worker); batch_size is the "
-                            "global batch.")
-    elastic: bool = Field(default=False, description="After a fault, resume with fewer devices when fewer are free "
-                          "(the global batch and the schedule are kept).")
-
-
-class EvaluateSpec(BaseModel):
-    """What a user asks for in POST /jobs/{id}/evaluate."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    dataset: str = Field(min_length=1, max_length=200, description="A dataset id, or the unique name it was "
-                                                                    "uploaded with.")
-    device: str = Field(default=defaults.DEVICE, max_length=200, description=_DEVICE)
-    batch_size: int | None = Field(default=None, ge=1, le=8192, description=f"Default: {EVAL_BATCH}.")
-
-
-class PredictSpec(BaseModel):
-    """POST /jobs with `"kind": "predict"`: a succeeded training job's model (by id or alias) over every
-    image of an uploaded dataset → a JSON-lines results file (GET /jobs/{id}/results)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    kind: Literal[JobKind.predict]
-    job_id: str | None = Field(default=None, min_length=1, max_length=128, description="A succeeded training job.")
-    alias: str | None = Field(default=None, min_length=1, max_length=128, description="An alias, resolved once at "
-                              "submit (the job records the training job it named then).")
-    dataset: str = Field(min_length=1, max_length=200, description="An uploaded dataset's id or unique name, "
-                                                                    "labelled (ImageFolder) or not.")
-    top_k: int = Field(default=defaults.TOP_K, ge=1, le=defaults.MAX_TOP_K,
-                       description=f"Predictions per image, at most the model's classes. Default: {defaults.TOP_K}.")
-    batch_size: int | None = Field(default=None, ge=1, le=8192,
-                                   description=f"Default: {per_device(PREDICT_BATCH_SIZE)}.")
-    device: str = Field(default=defaults.DEVICE, max_length=200, description=_DEVICE)
-
-    @model_validator(mode="after")
-    def _one_model(self) -> PredictSpec:
-        if (self.job_id is None) == (self.alias is None):
-            raise ValueError("give exactly one of job_id and alias")
-        return self
-
-
-def _spec_kind(value: Any) -> str:
-    """POST /jobs' body is a training job unless it says otherwise (`kind` may be left out)."""
-    kind = value.get("kind", JobKind.train) if isinstance(value, dict) else getattr(value, "kind", JobKind.train)
-    return str(kind.value if isinstance(kind, JobKind) else kind)
-
-
-# What POST /jobs accepts: a training job (the default kind) or a batch-prediction job.
-JobRequest = Annotated[Annotated[JobSpec, Tag(JobKind.train.value)] | Annotated[PredictSpec, Tag(JobKind.predict.value)],
-                       Discriminator(_spec_kind)]
 
 
 class Progress(BaseModel):

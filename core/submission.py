@@ -1,6 +1,8 @@
 """Accepting a training job: check what the user asked for against the models, datasets, devices
-and earlier jobs and memory we have, resolve its parameters once (core/params.py), and hand it to
-the job store.
+and earlier jobs and memory we have, resolve its parameters once (core/kinds/train.py), and hand it
+to the job store. `Submitter` is what every kind's submitter holds and does first (this one, and
+core/evaluations.py's and core/batch_predict.py's): the store, catalog, devices and settings, and
+the Idempotency-Key replay.
 
 Everything a job would only trip over later on a worker is refused here with a 422 that says
 why: an unknown model or dataset, a parent job (`init_from`) or pretrained weights it cannot
@@ -10,6 +12,8 @@ of the workers that could take it (core/admission.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from core.admission import check_admission, job_shape
 from core.config import Settings
 from core.datasets import DatasetCatalog, DatasetRecord, builtin_classes, split_sizes
@@ -17,26 +21,36 @@ from core.devices import DeviceRegistry
 from core.errors import InvalidInput, NotFound
 from core.gangs import check_world_size
 from core.jobs import JobStore, body_digest
+from core.kinds.train import JobSpec, resolve_params
 from core.lineage import record_dependent
-from core.params import resolve_params
-from core.schemas import Device, Job, JobKind, JobSpec, JobStatus
+from core.schemas import Device, Job, JobKind, JobStatus
 from core.storage import CheckpointPaths
 from models.pretrained import missing_message
 from models.registry import get_model_spec
 
 
-class JobSubmission:
+class Submitter:
+    """What the submitters of every kind share: where jobs, datasets, devices and checkpoints are."""
+
     def __init__(self, store: JobStore, catalog: DatasetCatalog, devices: DeviceRegistry,
                  settings: Settings) -> None:
         self.store = store
         self.catalog = catalog
         self.devices = devices
         self.settings = settings
+        self.paths = CheckpointPaths(settings.checkpoints_dir)
 
+    def replay(self, kind: JobKind, body: dict[str, Any], idempotency_key: str | None) -> tuple[str, Job | None]:
+        """The request's digest, and the earlier job of the same Idempotency-Key and body if any (a
+        retry gets its job, whatever changed since it was checked; another body under the key: 409)."""
+        digest = body_digest(kind, body)
+        return digest, self.store.replay(idempotency_key, digest)
+
+
+class JobSubmission(Submitter):
     def submit(self, spec: JobSpec, idempotency_key: str | None = None) -> tuple[Job, bool]:
         """The job as created (and True), or the earlier job of the same Idempotency-Key (and False)."""
-        digest = body_digest(spec.kind, spec.model_dump(mode="json"))
-        earlier = self.store.replay(idempotency_key, digest)
+        digest, earlier = self.replay(spec.kind, spec.model_dump(mode="json"), idempotency_key)
         if earlier is not None:  # a retry: its job, whatever changed since it was checked
             return earlier, False
         parent = self._parent(spec) if spec.init_from else None
@@ -77,7 +91,7 @@ class JobSubmission:
         if parent_channels != channels:
             raise InvalidInput(f"init_from: job {parent.id} took {parent_channels}-channel input, {spec.model} "
                                f"here takes {channels}; the input channels must be the same")
-        if not CheckpointPaths(self.settings.checkpoints_dir).final(parent.id).exists():
+        if not self.paths.final(parent.id).exists():
             raise InvalidInput(f"init_from: the checkpoint of job {parent.id} is no longer on this server")
         return parent
 

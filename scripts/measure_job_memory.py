@@ -44,8 +44,8 @@ from worker.data import ImageTensors, load_fake
 from worker.preprocess import channel_stats, stats_tensors
 from worker.trainer import Trainer, plan_training
 from worker.checkpoint import Preprocessing
-from core.params import resolve_params
-from core.schemas import JobSpec
+from core.kinds.train import resolve_params
+from core.kinds.train import JobSpec
 from models.registry import build_model
 phase, args = sys.argv[1], json.loads(sys.argv[2])
 

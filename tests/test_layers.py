@@ -61,3 +61,32 @@ def _breaches(package: str) -> list[str]:
 @pytest.mark.parametrize("package", sorted(MAY_IMPORT))
 def test_imports_point_down(package: str) -> None:
     assert _breaches(package) == []
+
+
+# Job kinds (#30): each kind's params and their resolution in core/kinds/<kind>.py, its handler in
+# worker/kinds/<kind>.py, named the same. A handler reads its own kind's params only, and the API's
+# side of a kind is a leaf of the domain: it imports no submitter, job store or other kind's params.
+KINDS = {"train", "evaluate", "predict", "export"}
+KIND_LEAF_MAY_NOT = {"core.submission", "core.evaluations", "core.batch_predict", "core.exports", "core.jobs"}
+
+
+def _kind_modules(package: str) -> set[str]:
+    return {p.stem for p in (REPO / package / "kinds").glob("*.py") if p.stem != "__init__"}
+
+
+def test_every_kind_has_its_params_and_its_handler_named_alike() -> None:
+    from core.schemas import JobKind
+
+    assert {kind.value for kind in JobKind} == KINDS
+    assert _kind_modules("worker") == KINDS
+    assert _kind_modules("core") == KINDS | {"request"}  # request.py: what POST /jobs accepts
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_a_kind_reads_its_own_params(kind: str) -> None:
+    handler = _imports(ast.parse((REPO / "worker" / "kinds" / f"{kind}.py").read_text()))
+    others = [name for name in handler if name.startswith("core.kinds.") and not name.startswith(f"core.kinds.{kind}.")]
+    assert others == []
+    params = _imports(ast.parse((REPO / "core" / "kinds" / f"{kind}.py").read_text()))
+    assert [name for name in params if any(name.startswith(f"{m}.") or name == m for m in KIND_LEAF_MAY_NOT)] == []
+    assert [name for name in params if name.startswith("core.kinds.")] == []

@@ -62,7 +62,7 @@ from worker.preprocess import image_to_array
 
 log = logging.getLogger(__name__)
 
-DECODE_NICE = 10  # pool processes' niceness above the worker's (as worker/predict_job.py's decoders)
+DECODE_NICE = 10  # pool processes' niceness above the worker's (as worker/kinds/predict.py's decoders)
 CHUNKS_PER_PROCESS = 8  # chunks per pool process over a whole set: a slow chunk cannot leave the others idle
 MAX_CHUNK = 64  # files per chunk at most: what is lost, and decoded again, when a pool process dies
 IN_FLIGHT_PER_PROCESS = 2  # chunks submitted per pool process: one to decode, one queued behind it

@@ -1,7 +1,7 @@
 """A model measured on labelled images: loss, accuracy, per-class accuracy and the confusion matrix.
 
 One implementation for the validation pass of every training epoch (worker/trainer.py) and for
-evaluation jobs (worker/evaluate_job.py). Everything accumulates on the device (the confusion
+evaluation jobs (worker/kinds/evaluate.py). Everything accumulates on the device (the confusion
 matrix is one `bincount` of true × predicted per batch); the host reads the totals once at the
 end.
 """

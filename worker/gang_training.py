@@ -1,5 +1,5 @@
 """A data-parallel job's training on one rank: the inputs, plan and loop of a job on one device
-(worker/train_job.py, worker/trainer.py) under a `GangPlacement` (worker/distributed.py).
+(worker/kinds/train.py, worker/trainer.py) under a `GangPlacement` (worker/distributed.py).
 
 Every rank:
 - rank 0 opens the rendezvous store on its worker's advertised address, starts the gang record
@@ -30,7 +30,7 @@ from worker.distributed import (
 )
 from worker.gang import FollowerReporter, GangBroken, LeaderReporter, Rank
 from worker.job_context import JobOutcome, JobReporter, StopJob
-from worker.train_job import record_outcome, training_inputs
+from worker.kinds.train import record_outcome, training_inputs
 from worker.trainer import Trainer, plan_training
 
 

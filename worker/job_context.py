@@ -2,7 +2,7 @@
 
 A job of any kind (training today; batch predictions, evaluations and exports build on the same
 lifecycle) is claimed, leased, cancelled and finished by worker/job_runner.py; the handler for its
-kind (`worker/<kind>_job.py`) only does the work. It asks `ctx.should_stop()` between units of
+kind (`worker/kinds/<kind>.py`) only does the work. It asks `ctx.should_stop()` between units of
 work (a step, a batch) and raises `StopJob` with the reason it got, and returns a `JobOutcome`.
 Failures are exceptions: `JobFailed` (and the known ones in job_runner.py) end the job `failed`
 with their message.

@@ -3,7 +3,7 @@
 Everything a job of any kind shares lives here: the claim (only the current delivery token of a
 queued job runs), the stop reasons checked between units of work (device out of service,
 shutdown, lost lease, cancel), and the terminal transitions. What a kind does is its handler's
-(`HANDLERS`, worker/<kind>_job.py); how its writes are fenced and its files promoted is
+(`HANDLERS`, worker/kinds/<kind>.py); how its writes are fenced and its files promoted is
 worker/delivery.py's.
 """
 
@@ -27,13 +27,13 @@ from worker.data import DatasetUnavailable
 from worker.delivery import Delivery, ride_out_outage
 from worker.device import WorkerDevice
 from worker.device_health import DeviceHealth
-from worker.evaluate_job import run_evaluate_job
-from worker.export_job import run_export_job
 from worker.gang import GANG_FAULT, GangMember, GangServices
 from worker.job_context import JobContext, JobFailed, JobHandler, StopJob
-from worker.predict_job import run_predict_job
+from worker.kinds.evaluate import run_evaluate_job
+from worker.kinds.export import run_export_job
+from worker.kinds.predict import run_predict_job
+from worker.kinds.train import run_train_job
 from worker.state import WorkerState
-from worker.train_job import run_train_job
 from worker.trainer import NonFiniteLoss
 
 log = logging.getLogger(__name__)

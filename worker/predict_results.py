@@ -1,7 +1,7 @@
 """A `predict` job's results file: the job's one order of files, a JSON line per file, and the
 resume point that says how much of a delivery's working file is final.
 
-Exactly once, in order, whatever dies: the handler (worker/predict_job.py) appends lines to a
+Exactly once, in order, whatever dies: the handler (worker/kinds/predict.py) appends lines to a
 working file of its delivery and, now and then, fsyncs it and records a `ResumePoint` (how many
 images and bytes of it are final) in one fenced write. A redelivery copies exactly that prefix
 (`copy_prefix`) and goes on from the next file of the same order (`list_images`); whatever the dead

@@ -2,7 +2,7 @@
 
 The `warnings` module's filters and `warnings.catch_warnings` are process-global: a worker traces
 serving graphs on its intake thread (worker/forward_graph.py) while a job's thread may export a
-model (worker/export_job.py), and a filter one of them set (or restored on leaving
+model (worker/kinds/export.py), and a filter one of them set (or restored on leaving
 `catch_warnings`) decided what the other's warnings became. A serving trace could then miss the
 TracerWarning that makes it fall back to eager, and serve a graph that does not generalise.
 

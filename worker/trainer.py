@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from core.defaults import EVAL_BATCH, TRAIN_BATCH_SIZE
-from core.params import TrainingParams, schedule_for
+from core.kinds.train import TrainingParams, schedule_for
 from core.schemas import DeviceChoices, EpochMetrics, EvaluationResult, Progress
 from models.registry import build_model
 from worker import init_weights

@@ -63,9 +63,8 @@ class Services:
                    JobSubmission(jobs, datasets, devices, settings), predictions, aliases=aliases,
                    exports=exports,
                    deletion=deletion, retention=Retention(settings, client, jobs, datasets, deletion),
-                   evaluations=Evaluations(jobs, datasets, devices, CheckpointPaths(settings.checkpoints_dir)),
-                   batch_predictions=BatchPredictions(jobs, datasets, devices,
-                                                      CheckpointPaths(settings.checkpoints_dir)))
+                   evaluations=Evaluations(jobs, datasets, devices, settings),
+                   batch_predictions=BatchPredictions(jobs, datasets, devices, settings))
 
     async def close(self) -> None:
         await self.predictions.close()

@@ -11,8 +11,9 @@ import pytest
 import redis
 
 from core.errors import Conflict, InvalidInput, NotAvailableHere
-from core.exports import UNAVAILABLE_PREFIX, ExportCatalog, ExportParams, export_path
+from core.exports import UNAVAILABLE_PREFIX, ExportCatalog, export_path
 from core.jobs import JobStore
+from core.kinds.export import ExportParams
 from core.schemas import ExportFormat, JobKind, JobStatus
 from core.storage import CheckpointPaths
 

@@ -18,9 +18,9 @@ from core.errors import InvalidInput
 from core.gang_scheduler import GangScheduler
 from core.gangs import DeviceSlots, GangRecords, Seat, check_world_size
 from core.jobs import JobStore
-from core.params import resolve_params
+from core.kinds.train import JobSpec, resolve_params
 from core.queue import create_celery, dispatcher, queue_for_device, waiting_task_ids
-from core.schemas import Device, JobSpec, JobStatus
+from core.schemas import Device, JobStatus
 
 
 @pytest.fixture

@@ -15,8 +15,7 @@ from app.main import create_app
 from core import defaults
 from core.config import Settings
 from core.defaults import EVAL_BATCH, PREDICT_BATCH_SIZE, RECIPE, TOP_K, TRAIN_BATCH_SIZE
-from core.params import resolve_params
-from core.schemas import JobSpec
+from core.kinds.train import JobSpec, resolve_params
 
 
 @pytest.fixture(scope="module")

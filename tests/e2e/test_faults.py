@@ -440,10 +440,10 @@ def test_what_a_dying_process_leaves_half_done_is_completed_by_the_workers(clust
     recorded `succeeded` and died before moving its model.pt out of its delivery's directory:
     a sweep promotes it, so the download matches the recorded sha256."""
     from core.jobs import JobStore
-    from core.params import resolve_params
+    from core.kinds.train import JobSpec, resolve_params
     from core.queue import create_celery, dispatcher
     from core.redis import connect
-    from core.schemas import JobSpec, JobStatus
+    from core.schemas import JobStatus
     from core.storage import CheckpointPaths
 
     dead_broker = create_celery(Settings(redis_url=f"unix://{cluster['data_dir']}/no-such-redis.sock?db=0"))

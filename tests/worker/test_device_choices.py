@@ -13,8 +13,8 @@ import redis
 import torch
 
 from core.jobs import JobStore
-from core.params import TrainingParams, resolve_params
-from core.schemas import DeviceChoices, JobSpec
+from core.kinds.train import JobSpec, TrainingParams, resolve_params
+from core.schemas import DeviceChoices
 from tests.worker.test_trainer import Reporter, small_fake
 from worker.job_context import StopJob
 from worker.trainer import Trainer, plan_training

@@ -119,7 +119,7 @@ def test_a_trace_and_an_export_in_two_threads_each_see_their_own_warnings(tmp_pa
     serving trace ran on another thread, which then saw its TracerWarning only printed, and served
     a graph that branches on its example forever. Here the serving trace warns while the export is
     inside its trace: the serving graph must still be eager, and each thread caught only its own."""
-    from worker.export_job import _write_torchscript
+    from worker.kinds.export import _write_torchscript
 
     serving_tracing, export_tracing, serving_warned = threading.Event(), threading.Event(), threading.Event()
     serving = _Rendezvous("bool", serving_tracing, export_tracing)

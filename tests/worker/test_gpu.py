@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.params import resolve_params
-from core.schemas import JobSpec
+from core.kinds.train import JobSpec, resolve_params
 from models.registry import MODELS, build_model
 from tests.worker.test_forward_graph import _preprocessing
 from tests.worker.test_trainer import Reporter, small_fake

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.params import TrainingParams, resolve_params
-from core.schemas import JobSpec
+from core.kinds.train import JobSpec, TrainingParams, resolve_params
 from models.registry import build_model
 from tests.worker.test_trainer import Reporter, small_fake
 from worker import init_weights

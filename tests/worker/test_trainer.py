@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.params import resolve_params
-from core.schemas import EpochMetrics, JobSpec, Progress
+from core.kinds.train import JobSpec, resolve_params
+from core.schemas import EpochMetrics, Progress
 from worker.checkpoint import load_payload
 from worker.data import ImageTensors, load_fake
 from worker.job_context import StopJob

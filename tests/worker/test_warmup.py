@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.params import resolve_params
-from core.schemas import JobSpec
+from core.kinds.train import JobSpec, resolve_params
 from models.cifar_net import CifarNet
 from tests.worker.test_trainer import Reporter, small_fake
 from worker.checkpoint import load_payload

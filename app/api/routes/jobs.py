@@ -10,7 +10,10 @@ from app.api.deps import ServicesDep
 from app.api.sse import job_event_response, parse_last_event_id
 from core.batch_predict import RESULTS_MEDIA_TYPE, download_name
 from core.errors import NotFound
-from core.schemas import EvaluateSpec, Evaluation, Job, JobList, JobRequest, JobStatus, PredictSpec
+from core.kinds.evaluate import EvaluateSpec
+from core.kinds.predict import PredictSpec
+from core.kinds.request import JobRequest
+from core.schemas import Evaluation, Job, JobList, JobStatus
 from core.storage import CheckpointPaths
 
 router = APIRouter(tags=["jobs"])

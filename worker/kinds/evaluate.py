@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from core.defaults import EVAL_BATCH
+from core.kinds.evaluate import EvaluateParams
 from core.schemas import Job, Progress
 from worker.backoff import BatchBackoff
 from worker.checkpoint import load_model
@@ -27,9 +27,9 @@ from worker.staging import ResidentBatches, StagedBatches
 
 
 def run_evaluate_job(job: Job, ctx: JobContext) -> JobOutcome:
-    trained_id = str(job.params.get("trained_job") or "")
+    params = EvaluateParams.model_validate(job.params)  # resolved at submit (core/kinds/evaluate.py)
     device = torch.device(ctx.device.torch_device)
-    model, meta = load_model(ctx.paths.final(trained_id), device)
+    model, meta = load_model(ctx.paths.final(params.trained_job), device)
     pre = meta.preprocessing
     ctx.set_classes(meta.classes)
     record = ctx.catalog.get(job.dataset)
@@ -44,7 +44,7 @@ def run_evaluate_job(job: Job, ctx: JobContext) -> JobOutcome:
     precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None, cpu_flags())
     if precision.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    batch_size = int(job.params.get("batch_size") or EVAL_BATCH)
+    batch_size = params.batch_size
     mean, std = stats_tensors(pre, device)
 
     def notify(message: str, data: dict) -> None:

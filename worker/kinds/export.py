@@ -36,8 +36,9 @@ from torch import nn
 from core.config import Settings
 from core.datasets import FAKE_CLASSES, FAKE_IMAGES, DatasetRecord
 from core.errors import NotFound
-from core.exports import UNAVAILABLE_PREFIX, ExportParams, export_path
+from core.exports import UNAVAILABLE_PREFIX, export_path
 from core.images import IMAGE_FORMATS
+from core.kinds.export import ExportParams
 from core.schemas import CheckpointInfo, ExportFormat, Job, Progress
 from core.storage import atomic_path, sha256_file
 from worker import thread_warnings

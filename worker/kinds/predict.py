@@ -35,7 +35,7 @@ from typing import BinaryIO
 import torch
 
 from core.batch_predict import RESULTS_FILE
-from core.defaults import PREDICT_BATCH_SIZE, TOP_K
+from core.kinds.predict import PredictParams
 from core.schemas import CheckpointInfo, Job, PredictSummary, Progress
 from core.storage import sha256_file
 from worker.checkpoint import load_model
@@ -53,19 +53,18 @@ WORKING_FILE = "results.part.jsonl"
 
 
 def run_predict_job(job: Job, ctx: JobContext) -> JobOutcome:
-    trained_id = str(job.params.get("trained_job") or "")
-    top_k_asked = int(job.params.get("top_k") or TOP_K)
-    labeled = bool(job.params.get("labeled", True))
+    params = PredictParams.model_validate(job.params)  # resolved at submit (core/kinds/predict.py)
+    labeled = params.labeled
     root = ctx.settings.datasets_dir / job.dataset
     if not root.is_dir():
         raise JobFailed(f"dataset {job.dataset} has no files on this worker's storage ({root})")
     device = torch.device(ctx.device.torch_device)
-    model, meta = load_model(ctx.paths.final(trained_id), device)
+    model, meta = load_model(ctx.paths.final(params.trained_job), device)
     graph = build_forward(model, meta.preprocessing, device)
     classes = meta.classes
-    top_k = min(top_k_asked, len(classes))
+    top_k = min(params.top_k, len(classes))
     cuda = device.type == "cuda"
-    batch_size = int(job.params.get("batch_size") or PREDICT_BATCH_SIZE[device.type])
+    batch_size = params.batch_for(device.type)
     files = list_images(root)
     total = len(files)
     ctx.set_classes(classes)
@@ -145,7 +144,7 @@ def run_predict_job(job: Job, ctx: JobContext) -> JobOutcome:
         shutil.copyfile(working, target)
     decoded = total - errors
     summary = PredictSummary(
-        trained_job=trained_id, alias=job.params.get("alias"), images=total, errors=errors, top_k=top_k,
+        trained_job=params.trained_job, alias=params.alias, images=total, errors=errors, top_k=top_k,
         labeled=labeled, accuracy=round(correct / decoded, 6) if labeled and decoded else None,
         seconds=round(seconds, 3), images_per_second=round((total - first) / max(seconds, 1e-9), 1),
         resumed_from_image=resumed_from, url=f"/jobs/{job.id}/results")
