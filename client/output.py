@@ -127,8 +127,18 @@ def job_accuracy(job: Job) -> float | None:
 
 
 _PARAMS = ("epochs", "batch_size", "learning_rate", "optimizer", "schedule", "warmup_fraction", "weight_decay",
-           "label_smoothing", "augment", "patience", "monitor", "keep", "seed", "val_fraction", "image_size",
-           "amp_dtype")
+           "label_smoothing", "augment", "patience", "monitor", "keep", "seed", "val_fraction", "image_size")
+
+
+def _device_choices(job: Job) -> list[tuple[str, str]]:
+    """What the worker decided for the run (the batch when left unset, the precision, the layout):
+    a row of its own, as the record keeps it apart from the params the user gave."""
+    c = job.device_choices
+    if c is None:
+        return []
+    precision = c.amp_dtype or "fp32"
+    return [("ran with", f"batch_size={c.batch_size}, schedule={c.schedule}, precision={precision}, "
+                         f"channels_last={c.channels_last}")]
 
 
 def job_report(out: Console, job: Job) -> None:
@@ -140,6 +150,7 @@ def job_report(out: Console, job: Job) -> None:
             ("status", job.status.value + (f" ({job.message})" if job.message else "")),
             ("model", job.model), ("dataset", dataset), ("device", job.device or "-"),
             ("params", ", ".join(f"{k}={p[k]}" for k in _PARAMS if p.get(k) is not None)),
+            *_device_choices(job),
             ("progress", f"epoch {job.progress.epoch}/{job.progress.epochs}, "
                          f"step {job.progress.step}/{job.progress.steps}"),
             ("attempts", str(job.attempts)), ("created", str(job.created_at)),

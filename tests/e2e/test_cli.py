@@ -67,6 +67,9 @@ def test_job_and_jobs(stack: dict, trained: dict) -> None:
     assert "succeeded" in shown.stdout and "cifar_net" in shown.stdout
     assert "train_loss" in shown.stdout and "val_acc" in shown.stdout  # the metrics table
     assert "Accuracy of pattern_3" in shown.stdout  # per class, as in the PyTorch tutorial
+    chose = trained["device_choices"]  # the worker's choices, a row apart from the params given
+    assert chose["device"] == "cpu" and f"batch_size={chose['batch_size']}" in shown.stdout
+    assert f"precision={chose['amp_dtype'] or 'fp32'}" in shown.stdout
 
     listed = cli(stack, "jobs")
     assert listed.returncode == 0, listed.stderr
