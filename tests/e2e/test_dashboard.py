@@ -272,7 +272,8 @@ def test_dashboard_views_of_every_job_kind(stack: dict, keyed_api: KeyedApi, tmp
     assert screenshot.stat().st_size > 10_000
 
 
-GANG_JOB = {"model": "cifar_net", "dataset": "fake", "epochs": 2, "batch_size": 32, "patience": 0, "world_size": 2}
+# Long enough to still hold both workers while the second gang job is looked at, on any host; cancelled then.
+GANG_JOB = {"model": "cifar_net", "dataset": "fake", "epochs": 40, "batch_size": 32, "patience": 0, "world_size": 2}
 
 
 @needs_chromium
@@ -280,7 +281,7 @@ def test_a_gang_job_shows_its_size_elasticity_and_ranks(tmp_path: Path) -> None:
     """Two CPU workers as two hosts (h1, h2, as tests/e2e/test_gangs.py runs them): an elastic job
     of world size 2 shows, in its line and its view, its size, that it is elastic and the devices and
     nodes its ranks hold; a second one, not elastic, queued behind it, shows that it waits for both
-    and that no rank is placed yet."""
+    and that no rank is placed yet; the first, cancelled, still shows where its ranks ran."""
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra: `make setup`")
     errors: list[str] = []
     with two_hosts(tmp_path, timeout=240, TORCHYARD_ADVERTISE_ADDRESS="127.0.0.1", OMP_NUM_THREADS="1") as hosts, \
@@ -317,17 +318,19 @@ def test_a_gang_job_shows_its_size_elasticity_and_ranks(tmp_path: Path) -> None:
             assert "not elastic: after a fault it waits for all 2" in said and "ranks not placed yet" in said, said
             line = page.wait_for_selector(f"#jobs-table tr[data-id='{waiting}'] td.gang[data-elastic='false']")
             assert line.inner_text().split()[0] == "×2" and "elastic" not in line.inner_text()
+            assert page.is_visible("#cancel-job")  # the view of a job that has not started yet
             assert client.post(f"/jobs/{waiting}/cancel").status_code == 202
 
-            # Finished, the record keeps its last attempt's ranks: the view (a bookmark) shows them.
-            done = wait_for_job(client, elastic, {"succeeded", "failed", "cancelled"}, timeout=600)
-            assert done["status"] == "succeeded", done["error"]
+            # Ended, the record keeps its last attempt's ranks: the view (a bookmark) shows them.
+            assert client.post(f"/jobs/{elastic}/cancel").status_code == 202
+            done = wait_for_job(client, elastic, {"succeeded", "failed", "cancelled"}, timeout=120)
+            assert done["status"] == "cancelled", done["error"]
             page.goto(f"{base}/#/jobs/{elastic}")
-            page.wait_for_selector("#job-status[data-status=succeeded]")
+            page.wait_for_selector("#job-status[data-status=cancelled]")
             page.wait_for_selector("#job-gang[data-ranks='2'][data-elastic='true']")
             assert {r.get_attribute("data-device") for r in page.query_selector_all("#job-gang .rank")} == \
                 {"h1/cpu", "h2/cpu"}
-            page.wait_for_selector(f"#jobs-table tr[data-id='{elastic}'][data-status=succeeded] td.gang")
+            page.wait_for_selector(f"#jobs-table tr[data-id='{elastic}'][data-status=cancelled] td.gang")
         finally:
             browser.close()
     assert not errors, errors
