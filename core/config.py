@@ -8,8 +8,17 @@ import re
 import socket
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, cast
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -44,7 +53,10 @@ def gpu_selector(value: str) -> str | None:
 class Settings(BaseSettings):
     """torchyard settings, from the environment (prefix ``TORCHYARD_``) or a ``.env`` file."""
 
-    model_config = SettingsConfigDict(env_prefix="TORCHYARD_", env_file=".env", extra="ignore", env_ignore_empty=True)
+    # validate_by_name: a field with an env alias (predict_decode_processes) is still set by its name
+    # in code, Settings(predict_decode_processes=2), instead of that being dropped as an extra.
+    model_config = SettingsConfigDict(env_prefix="TORCHYARD_", env_file=".env", extra="ignore", env_ignore_empty=True,
+                                      validate_by_name=True)
 
     # --- where things live -------------------------------------------------------------
     redis_url: str | None = Field(
@@ -89,10 +101,17 @@ class Settings(BaseSettings):
     # How long a batch may wait for the company recent traffic promises (worker/serving/batching.BatchWindow);
     # a lone request on a quiet device never waits (docs/benchmarks.md has how 10 ms was chosen).
     predict_max_wait_ms: float = Field(default=10.0, ge=0)
-    predict_decode_threads: int | None = Field(
+    # Named for threads until decoding moved to processes; the old name is still read, so existing
+    # deployments keep their setting. An alias bypasses env_prefix, so both names carry it.
+    # pydantic-settings takes the first name of AliasChoices that a source holds: the new one wins
+    # when both are set in the same source (between sources the usual order holds: the environment
+    # over .env, whichever name each uses).
+    predict_decode_processes: int | None = Field(
         default=None, ge=1,
-        description="threads that decode /predict images and send replies, off the device thread. "
-                    "Unset: the cores this worker may use.")
+        validation_alias=AliasChoices("TORCHYARD_PREDICT_DECODE_PROCESSES", "TORCHYARD_PREDICT_DECODE_THREADS"),
+        description="processes that decode /predict images, off the device thread. Unset: the cores this "
+                    "worker may use. TORCHYARD_PREDICT_DECODE_THREADS, its former name, is still read; "
+                    "the new name wins when both are set.")
     model_cache_count: int = Field(default=8, ge=1)
     model_cache_bytes: int = Field(default=2 * 1024**3, ge=1)
     predict_cpu_threads: int | None = Field(
@@ -210,6 +229,19 @@ class Settings(BaseSettings):
             raise ValueError(f"TORCHYARD_DEVICES={value!r}: use 'auto', 'cpu', or GPUs by index (0,1) or by "
                              f"GPU-/MIG- UUID (`nvidia-smi -L`); not {', '.join(map(repr, bad))}")
         return ",".join(entries)
+
+    @field_validator("predict_decode_processes", mode="wrap")
+    @classmethod
+    def _decode_processes(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> int | None:
+        """One message that names both names: pydantic's own names the new one even when the
+        operator set the old one, and says nothing of what the setting counts."""
+        try:
+            return cast("int | None", handler(value))
+        except ValidationError:
+            raise ValueError(
+                f"TORCHYARD_PREDICT_DECODE_PROCESSES (or its former name TORCHYARD_PREDICT_DECODE_THREADS)="
+                f"{value!r}: a number of decoding processes, 1 or more; leave it unset for the cores this "
+                f"worker may use") from None
 
     @model_validator(mode="after")
     def _a_largest_request_fits_the_budget(self) -> Settings:

@@ -120,7 +120,7 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     inference = InferenceServer(connect(settings.resolved_redis_url(), decode_responses=False), device, cache,
                                 max_batch=settings.predict_max_batch, max_wait_ms=settings.predict_max_wait_ms,
                                 max_pixels=settings.max_image_pixels, cpu_threads=settings.predict_cpu_threads,
-                                decode_threads=settings.predict_decode_threads,
+                                decode_processes=settings.predict_decode_processes,
                                 job_running=lambda: state.current_job is not None, health=health,
                                 on_broken=take_out_of_service)
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.datagen import zip_of
-from tests.support import REPO, Processes, free_port, wait_until
+from tests.support import REPO, Processes, free_port, two_hosts, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -148,7 +148,7 @@ def test_dashboard_views_of_every_job_kind(stack: dict, keyed_api: KeyedApi, tmp
             page.wait_for_selector(f"#jobs-table tr[data-id='{job_id}'][data-status=succeeded]")
             assert "pattern_3" in page.inner_text("#per-class")
             page.wait_for_selector("#promote-form:not([hidden])")
-            assert _visible(page, "#cancel-job", "#download-results", "#download-export") == []
+            assert _visible(page, "#cancel-job", "#download-results", "#download-export", "#job-gang") == []
             assert _visible(page, "#delete-job", *TRAINED_ONLY) == ["#delete-job", *TRAINED_ONLY]
             # At 1400 px every action sits inside the job's card, none cut off.
             card = page.locator("#job-view").bounding_box()
@@ -270,6 +270,70 @@ def test_dashboard_views_of_every_job_kind(stack: dict, keyed_api: KeyedApi, tmp
     assert any(f"/jobs/{job_id}/events" in url for url, _ in data_calls)
     assert all(auth == f"Bearer {API_KEY}" for _, auth in data_calls), data_calls
     assert screenshot.stat().st_size > 10_000
+
+
+# Long enough to still hold both workers while the second gang job is looked at, on any host; cancelled then.
+GANG_JOB = {"model": "cifar_net", "dataset": "fake", "epochs": 40, "batch_size": 32, "patience": 0, "world_size": 2}
+
+
+@needs_chromium
+def test_a_gang_job_shows_its_size_elasticity_and_ranks(tmp_path: Path) -> None:
+    """Two CPU workers as two hosts (h1, h2, as tests/e2e/test_gangs.py runs them): an elastic job
+    of world size 2 shows, in its line and its view, its size, that it is elastic and the devices and
+    nodes its ranks hold; a second one, not elastic, queued behind it, shows that it waits for both
+    and that no rank is placed yet; the first, cancelled, still shows where its ranks ran."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the dev extra: `make setup`")
+    errors: list[str] = []
+    with two_hosts(tmp_path, timeout=240, TORCHYARD_ADVERTISE_ADDRESS="127.0.0.1", OMP_NUM_THREADS="1") as hosts, \
+            sync_api.sync_playwright() as playwright:
+        client, base = hosts["client"], str(hosts["client"].base_url).rstrip("/")
+        elastic = client.post("/jobs", json={**GANG_JOB, "elastic": True}).json()["id"]
+        browser = _browser(playwright)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(f"{base}/#/jobs/{elastic}")
+            # The view follows the job: its ranks appear once the gang forms (the `gang` event).
+            gang = page.wait_for_selector("#job-gang[data-ranks='2']", timeout=180_000)
+            ranks = {r.get_attribute("data-rank"): r.get_attribute("data-device")
+                     for r in page.query_selector_all("#job-gang .rank")}
+            assert sorted(ranks) == ["0", "1"] and sorted(ranks.values()) == ["h1/cpu", "h2/cpu"], ranks
+            nodes = [ranks[r].split("/")[0] for r in ("0", "1")]
+            assert (gang.get_attribute("data-world-size"), gang.get_attribute("data-elastic"),
+                    gang.get_attribute("data-nodes")) == ("2", "true", " ".join(nodes))
+            said = page.inner_text("#job-gang")
+            assert "data-parallel over 2 devices" in said and "elastic: after a fault it may resume on fewer" in said
+            assert f"ranks: 0 on {ranks['0']}, 1 on {ranks['1']}" in said and f"nodes {', '.join(nodes)}" in said
+            # Its line in the jobs table: size, elastic, both devices, rank 0's first.
+            line = page.wait_for_selector(f"#jobs-table tr[data-id='{elastic}'] td.gang[data-devices~='h2/cpu']"
+                                          f"[data-devices~='h1/cpu']")
+            assert line.inner_text().split() == ["×2", "elastic", ranks["0"], ranks["1"]], line.inner_text()
+
+            # Not elastic, and both devices busy: queued, no rank placed; the view says what it waits for.
+            waiting = client.post("/jobs", json=GANG_JOB).json()["id"]
+            page.goto(f"{base}/#/jobs/{waiting}")
+            page.wait_for_selector("#job-gang[data-world-size='2'][data-elastic='false'][data-ranks='0']")
+            said = page.inner_text("#job-gang")
+            assert "not elastic: after a fault it waits for all 2" in said and "ranks not placed yet" in said, said
+            line = page.wait_for_selector(f"#jobs-table tr[data-id='{waiting}'] td.gang[data-elastic='false']")
+            assert line.inner_text().split()[0] == "×2" and "elastic" not in line.inner_text()
+            assert page.is_visible("#cancel-job")  # the view of a job that has not started yet
+            assert client.post(f"/jobs/{waiting}/cancel").status_code == 202
+
+            # Ended, the record keeps its last attempt's ranks: the view (a bookmark) shows them.
+            assert client.post(f"/jobs/{elastic}/cancel").status_code == 202
+            done = wait_for_job(client, elastic, {"succeeded", "failed", "cancelled"}, timeout=120)
+            assert done["status"] == "cancelled", done["error"]
+            page.goto(f"{base}/#/jobs/{elastic}")
+            page.wait_for_selector("#job-status[data-status=cancelled]")
+            page.wait_for_selector("#job-gang[data-ranks='2'][data-elastic='true']")
+            assert {r.get_attribute("data-device") for r in page.query_selector_all("#job-gang .rank")} == \
+                {"h1/cpu", "h2/cpu"}
+            page.wait_for_selector(f"#jobs-table tr[data-id='{elastic}'][data-status=cancelled] td.gang")
+        finally:
+            browser.close()
+    assert not errors, errors
 
 
 @needs_chromium

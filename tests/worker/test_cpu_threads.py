@@ -172,7 +172,7 @@ def test_a_light_models_forward_makes_no_team_and_a_heavy_ones_does(clean_redis_
         device = WorkerDevice("cpu", None, "testnode")
         cache = ModelCache(paths, "cpu", 2, 1 << 30)
         server = InferenceServer(client, device, cache, max_batch=8, max_wait_ms=1, max_pixels=10_000,
-                                 cpu_threads=cpu_threads, decode_threads=1)
+                                 cpu_threads=cpu_threads, decode_processes=1)
         server.start()
         try:
             before = _os_threads()

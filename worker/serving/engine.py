@@ -74,7 +74,7 @@ class Decoding:
 class InferenceServer:
     def __init__(self, client: redis.Redis, device: WorkerDevice, cache: ModelCache, *, max_batch: int,
                  max_wait_ms: float, max_pixels: int, cpu_threads: int | None = None,
-                 decode_threads: int | None = None, pad_to_buckets: bool | None = None,
+                 decode_processes: int | None = None, pad_to_buckets: bool | None = None,
                  job_running: Callable[[], bool] | None = None, health: DeviceHealth | None = None,
                  on_broken: Callable[[str], None] = lambda reason: None) -> None:
         """`client` must not decode responses (requests are binary frames). A CPU device's forward
@@ -88,7 +88,7 @@ class InferenceServer:
         self.transport = Transport(client, device.id)
         self.stats = InferenceStats(cache.stats)
         self.window = BatchWindow(max_batch, max_wait_ms / 1000)
-        self.decoder = Decoder(decode_threads or usable_cores(), max_pixels)
+        self.decoder = Decoder(decode_processes or usable_cores(), max_pixels)
         # Replies are sent from threads of their own while the device computes the next batch; torch
         # ops there (top-k) must not start an OpenMP team (worker/cpu_threads.py).
         self._replies = ThreadPoolExecutor(REPLY_THREADS, thread_name_prefix="torchyard-replies",

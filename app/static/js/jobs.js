@@ -3,7 +3,7 @@ import { getJSON, sendJSON } from "./api.js";
 import { $, el, jobHref, kindOf, pct, shortId, when } from "./dom.js";
 import { fillEvaluateDatasets } from "./evaluations.js";
 import { selectedJob } from "./jobview.js";
-import { progressOf } from "./kinds.js";
+import { gangBadge, gangOf, progressOf } from "./kinds.js";
 
 export const state = { jobs: [] };
 const listeners = [];
@@ -31,10 +31,21 @@ export async function refreshJobs() {
       el("td", {}, el("span", { class: `pill ${j.status}`, title: j.error || j.message || "" }, j.status)),
       el("td", {}, el("span", { class: "mini" }, el("div", { style: `width:${(100 * progress.fraction).toFixed(0)}%` })), progress.short),
       el("td", {}, accuracy),
-      el("td", { class: "mono small" }, j.device || j.requested_device),
+      deviceCell(j),
       el("td", { class: "small muted" }, when(j.created_at))));
   }
   for (const callback of listeners) callback(jobs);
+}
+
+// A job's device; a gang job's: its size (and elastic), then the devices its ranks hold.
+function deviceCell(job) {
+  const gang = gangOf(job);
+  if (!gang) return el("td", { class: "mono small" }, job.device || job.requested_device);
+  const devices = gang.ranks.length ? gang.ranks.map((r) => r.device) : [job.requested_device];
+  return el("td", { class: "mono small gang", "data-world-size": gang.size, "data-elastic": String(gang.elastic),
+    "data-devices": gang.ranks.map((r) => r.device).join(" "),
+    title: gang.ranks.map((r) => `rank ${r.rank}: ${r.device} (${r.worker})`).join("\n") || "ranks not placed yet" },
+  el("span", { class: "pill gang" }, gangBadge(gang)), " ", devices.join(" "));
 }
 
 export async function loadChoices() {

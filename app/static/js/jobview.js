@@ -6,7 +6,7 @@ import { api, getJSON, retriable, saveResponse, sendJSON } from "./api.js";
 import { addMetrics, drawCharts, emptySeries } from "./charts.js";
 import { $, el, jobHref, kindOf, show, shortId, sleep, TERMINAL } from "./dom.js";
 import { clearEvaluation, renderEvaluation, renderEvaluations, resultTitle, startEvaluation } from "./evaluations.js";
-import { describe, kindLabel, progressOf } from "./kinds.js";
+import { describe, gangLine, gangOf, kindLabel, progressOf } from "./kinds.js";
 import { followEvents } from "./stream.js";
 
 const CONTROLS = ["cancel-job", "download-ckpt", "export-controls", "promote-form", "download-results", "download-export", "delete-job"];
@@ -24,7 +24,7 @@ export async function openJob(jobId) {
   $("job-title").textContent = jobId || "— pick one from the list";
   for (const id of ["job-kind", "job-status"]) { $(id).textContent = ""; $(id).className = "pill"; }
   delete $("job-status").dataset.status;
-  for (const id of [...CONTROLS, "train-view", "predict-view", "export-view", "job-progress-box", "stream-note"]) show(id, false);
+  for (const id of [...CONTROLS, "train-view", "predict-view", "export-view", "job-progress-box", "stream-note", "job-gang"]) show(id, false);
   $("per-class").replaceChildren();
   $("job-meta").replaceChildren();
   $("export-status").textContent = "";
@@ -50,6 +50,7 @@ function renderJob(job) {
   $("job-kind").className = "pill kind";
   setStatus(job.status);
   $("job-meta").replaceChildren(...describe(job).flatMap((part, i) => (i ? [" · ", part] : [part])).flat());
+  renderGang(job);
   show("cancel-job", !TERMINAL.has(job.status));
   show("delete-job", TERMINAL.has(job.status));
   show("download-ckpt", kind === "train" && Boolean(job.checkpoint));
@@ -75,6 +76,16 @@ function renderJob(job) {
   if (kind === "train") renderEvaluations(job.evaluations || []);
   if (kind === "predict") renderPredictSummary(job);
   if (kind === "export") renderExportSummary(job);
+}
+
+// A data-parallel job: its world size, elasticity and where its ranks run (data-* for scripts).
+function renderGang(job) {
+  const gang = gangOf(job), line = $("job-gang");
+  show("job-gang", Boolean(gang));
+  if (!gang) { line.replaceChildren(); return; }
+  Object.assign(line.dataset, { worldSize: gang.size, elastic: String(gang.elastic), ranks: gang.ranks.length,
+    nodes: gang.nodes.join(" ") });
+  line.replaceChildren(...gangLine(gang).flatMap((part, i) => (i ? [" · ", part] : [part])).flat());
 }
 
 function setStatus(status) {
@@ -125,6 +136,7 @@ function onJobEvent(jobId, event) {
     if (d.per_class_accuracy) renderPerClass(d.per_class_accuracy);
     redraw();
   } else if (event.event === "batch_backoff" || event.event === "early_stop") note(d.message);
+  else if (event.event === "gang") { view.job = { ...view.job, ranks: d.ranks }; renderGang(view.job); }
   else if (event.event === "status") {
     setStatus(d.status);
     if (TERMINAL.has(d.status)) {

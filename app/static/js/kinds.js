@@ -1,6 +1,6 @@
 // What each kind of job shows: its progress (epochs for training, batches for an evaluation,
 // images for a predict job, steps for an export) and the line that says what it does.
-import { jobLink, kindOf, TERMINAL } from "./dom.js";
+import { el, jobLink, kindOf, TERMINAL } from "./dom.js";
 
 export function progressOf(kind, p, status) {
   const done = status === "succeeded";
@@ -54,3 +54,32 @@ export function describe(job) {
 }
 
 export const kindLabel = (job) => ({ train: "training", evaluate: "evaluation", predict: "predictions", export: "export" })[kindOf(job)] || kindOf(job);
+
+// A data-parallel job (world_size > 1, docs/api.md): how many devices it asked for, whether it may
+// resume on fewer (elastic), and the devices and nodes (a device id's host part) its ranks hold in
+// its current or last attempt; null for a single-device job.
+export function gangOf(job) {
+  const size = job.world_size || 1;
+  if (size <= 1) return null;
+  const ranks = job.ranks || [];
+  const nodes = [...new Set(ranks.map((r) => r.device.split("/")[0]))];
+  return { size, elastic: Boolean((job.params || {}).elastic), ranks, nodes };
+}
+
+// "×2 elastic" beside a gang job's devices in the jobs table.
+export const gangBadge = (gang) => `×${gang.size}${gang.elastic ? " elastic" : ""}`;
+
+// The job view's line about a gang: its size, elasticity, and rank → device (worker) of the attempt.
+export function gangLine(gang) {
+  const parts = [`data-parallel over ${gang.size} devices`,
+    gang.elastic ? "elastic: after a fault it may resume on fewer" : `not elastic: after a fault it waits for all ${gang.size}`];
+  if (!gang.ranks.length) parts.push("ranks not placed yet");
+  else {
+    if (gang.ranks.length < gang.size) parts.push(`running on ${gang.ranks.length} of ${gang.size} after an elastic resume`);
+    parts.push(["ranks: ", ...gang.ranks.flatMap((r, i) => [i ? ", " : "",
+      el("span", { class: "rank mono", "data-rank": r.rank, "data-device": r.device, title: `worker ${r.worker}` },
+        `${r.rank} on ${r.device}`)])]);
+    parts.push(`${gang.nodes.length === 1 ? "node" : "nodes"} ${gang.nodes.join(", ")}`);
+  }
+  return parts;
+}

@@ -223,7 +223,7 @@ def test_large_images_are_decoded_by_the_pool_with_the_same_answers(clean_redis_
     model = _save(paths, "job-a", 8)
     device = WorkerDevice("cpu", None, "testnode")
     server = InferenceServer(client, device, ModelCache(paths, "cpu", 2, 1 << 30), max_batch=32, max_wait_ms=5,
-                             max_pixels=10**6, decode_threads=3)
+                             max_pixels=10**6, decode_processes=3)
     jpegs = [_encode(_rgb(60 + i, (256, 256)), "JPEG", quality=90) for i in range(8)]
     replies = []
     server.start()
