@@ -294,7 +294,7 @@ class Trainer:
         if self.initial is not None:
             return Preprocessing(plan.channels, plan.height, plan.width, self.initial.mean, self.initial.std,
                                  self.resize_size)
-        mean, std = channel_stats(self.data.images[train_idx])
+        mean, std = channel_stats(self.data.images, train_idx)
         return Preprocessing(plan.channels, plan.height, plan.width, tuple(mean), tuple(std), self.resize_size)
 
     def _batches(self, index: torch.Tensor, capacity: int) -> Batches:
