@@ -117,17 +117,19 @@ def channel_stats(images: torch.Tensor, index: torch.Tensor | None = None,
     where sums of uint8 values and their squares are exact integers; mean and variance follow from
     the exact totals. The set is never copied whole (the trainer's split used to be gathered, then
     converted to float64 whole: eight bytes a value, seconds of allocation and page faults for a
-    photo set), and the figures equal the whole-set float64 computation's to their rounding."""
+    photo set), and the figures equal the whole-set float64 computation's to their rounding. The
+    images may be on any device: the trainer passes its training split where it trains, so on a GPU
+    the statistics take milliseconds."""
     import torch
 
-    order = torch.arange(len(images)) if index is None else index
-    count = min(sample, len(order))
+    count = min(sample, len(images) if index is None else len(index))
     channels, values = images.shape[1], images[0].numel() if len(images) else 1
     per_chunk = max(1, STATS_CHUNK_VALUES // values)
-    sums = torch.zeros(channels, dtype=torch.float64)
-    squares = torch.zeros(channels, dtype=torch.float64)
+    sums = torch.zeros(channels, dtype=torch.float64, device=images.device)
+    squares = torch.zeros(channels, dtype=torch.float64, device=images.device)
     for begin in range(0, count, per_chunk):
-        chunk = images[order[begin:min(begin + per_chunk, count)]].flatten(2).double()
+        end = min(begin + per_chunk, count)
+        chunk = (images[begin:end] if index is None else images[index[begin:end]]).flatten(2).double()
         sums += chunk.sum(dim=(0, 2))
         squares += chunk.mul_(chunk).sum(dim=(0, 2))
     n = count * (values // channels)  # values of one channel
