@@ -20,7 +20,7 @@ a native decoder's segfault kills one pool process, never the worker (below).
 Why a forkserver (worker/forkserver.py): a worker runs threads and may hold a CUDA context, which
 forking would copy; the worker's forkserver is a clean process, started when the worker starts,
 with this module, its imports and the worker's main module preloaded, so a pool process forks
-from it in milliseconds and imports nothing before its first chunk. This module,
+from it in milliseconds and finds what it runs already imported. This module,
 worker/preprocess.py and core/images.py import no torch, so neither the server nor a pool process
 does (importing torch costs seconds and hundreds of megabytes); a script that decodes a set must
 guard its work with `if __name__ == "__main__"` (each pool process imports the main module).
