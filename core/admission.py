@@ -56,7 +56,10 @@ CUDA_RUNTIME_BYTES = 1 * GiB  # CUDA context, cuDNN/cuBLAS workspaces (not measu
 ACTIVATION_FACTOR = 1.5  # peak of forward + backward over what autograd saves
 EVAL_FACTOR = 0.6  # peak of an inference_mode pass over what autograd would save
 INPUT_COPIES = 4  # float32 copies of a batch: normalize (2), augment (pad + crop), channels_last
-STATS_BYTES_PER_VALUE = 9  # channel_stats: a float64 copy (8 bytes a value) and its temporaries
+# channel_stats as calibrated: a float64 copy of the split (8 bytes a value) and its temporaries. It now
+# sums in chunks of worker/preprocess.STATS_CHUNK_VALUES, so this bound errs further toward refusing
+# until scripts/measure_job_memory.py calibrates it again.
+STATS_BYTES_PER_VALUE = 9
 JOB_OVERHEAD_BYTES = 64 * 1024**2  # the first step's one-off allocations (autograd, oneDNN)
 STATS_SAMPLE = 20_000
 FAKE_PREP_BYTES_PER_VALUE = 13  # fake_images: three float32 N×E temporaries, then the uint8 result

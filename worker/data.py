@@ -9,8 +9,8 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -123,36 +123,90 @@ def load_image_folder(root: Path, channels: int, height: int, width: int,
 
     Workers that need the same spec at the same time (two GPUs of one host) take an exclusive lock
     per spec: one decodes, the others wait and read its file; the kernel drops the lock with a
-    holder that dies. The file is written atomically, so a reader never sees half of one without
-    the lock either. A cache written by an older transform (worker/preprocess.TRANSFORM_VERSION)
-    is not read: it is decoded again and the old file removed."""
+    holder that dies. A cache written by an older transform (worker/preprocess.TRANSFORM_VERSION)
+    is not read: it is decoded again and the old file removed.
+
+    The job that decoded the set does not wait for its cache: it returns the decoded array itself
+    (as a tensor, no copy) while a thread of its own (`CacheWriter`) writes the file, holding the
+    lock until the file is in place, so a waiting worker still reads it instead of decoding again.
+    The file is written to a temporary name, fsynced and renamed (core/storage.atomic_path): a
+    reader only ever opens the final name, so a writer killed mid-write (a SIGKILLed worker, a
+    power loss) leaves at most a temporary file, never a cache that a later job trusts; the next
+    decode of the spec removes such leftovers under the lock (no live writer can own them then)."""
     spec = InputSpec(channels, height, width, resize_size)
     folder = root.parent / f".{root.name}.cache"
     cache = folder / f"{spec.name}-t{TRANSFORM_VERSION}.pt"
     if cache.exists():
         return _read_cache(cache)
     folder.mkdir(parents=True, exist_ok=True)
-    with _exclusive(folder / f"{spec.name}.lock"):
+    lock = _exclusive(folder / f"{spec.name}.lock")
+    try:
         if cache.exists():  # decoded by another worker while this one waited
+            os.close(lock)
             return _read_cache(cache)
-        classes = sorted(p.name for p in root.iterdir() if p.is_dir())
-        files = [(path, label) for label, name in enumerate(classes) for path in sorted((root / name).iterdir())]
-        workers = usable_cores()
-        log.info("decoding %d files of %s at %s on %d processes", len(files), root, spec.name, workers)
-        try:
-            decoded = decode_files([path for path, _ in files], spec, workers=workers)
-        except DecodeFailed as exc:
-            raise DatasetUnavailable(f"dataset at {root}: {exc}") from exc
-        if not len(decoded.kept):
-            raise DatasetUnavailable(f"dataset at {root} holds no readable images")
-        labels = torch.tensor([files[i][1] for i in decoded.kept], dtype=torch.int64)
-        tensors = ImageTensors(torch.from_numpy(decoded.images), labels, classes)
-        with atomic_path(cache) as tmp:
-            torch.save({"images": tensors.images, "labels": tensors.labels, "classes": classes}, tmp)
-        for older in [folder / f"{spec.name}.pt", *folder.glob(f"{spec.name}-t*.pt")]:
-            if older != cache:
-                older.unlink(missing_ok=True)
+        for leftover in folder.glob(f".{cache.name}.*.tmp"):  # a killed writer's: no live one holds the lock
+            leftover.unlink(missing_ok=True)
+        tensors = _decode_folder(root, spec)
+    except BaseException:
+        os.close(lock)
+        raise
+    stale = [p for p in [folder / f"{spec.name}.pt", *folder.glob(f"{spec.name}-t*.pt")] if p != cache]
+    CacheWriter.start(cache, tensors, stale, lock)
     return tensors
+
+
+def _decode_folder(root: Path, spec: InputSpec) -> ImageTensors:
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    files = [(path, label) for label, name in enumerate(classes) for path in sorted((root / name).iterdir())]
+    workers = usable_cores()
+    log.info("decoding %d files of %s at %s on %d processes", len(files), root, spec.name, workers)
+    try:
+        decoded = decode_files([path for path, _ in files], spec, workers=workers)
+    except DecodeFailed as exc:
+        raise DatasetUnavailable(f"dataset at {root}: {exc}") from exc
+    if not len(decoded.kept):
+        raise DatasetUnavailable(f"dataset at {root} holds no readable images")
+    labels = torch.tensor([files[i][1] for i in decoded.kept], dtype=torch.int64)
+    return ImageTensors(torch.from_numpy(decoded.images), labels, classes)
+
+
+class CacheWriter:
+    """Writes a decoded set's cache behind the job that decoded it, then releases the spec's lock.
+
+    A thread that is not a daemon: an interpreter that exits normally finishes the file first. Its
+    images are the job's own tensor, which nothing writes to (the trainer copies its batches out
+    of it), so the file holds what the job trained on."""
+
+    _running: ClassVar[list[threading.Thread]] = []
+    _guard = threading.Lock()
+
+    @classmethod
+    def start(cls, cache: Path, tensors: ImageTensors, stale: list[Path], lock: int) -> None:
+        thread = threading.Thread(target=cls._write, args=(cache, tensors, stale, lock), name="dataset-cache-writer")
+        with cls._guard:
+            cls._running[:] = [t for t in cls._running if t.is_alive()]
+            cls._running.append(thread)
+        thread.start()
+
+    @classmethod
+    def wait(cls, timeout: float | None = None) -> None:
+        """Until every cache this process started writing is in place (or could not be written)."""
+        with cls._guard:
+            running = list(cls._running)
+        for thread in running:
+            thread.join(timeout)
+
+    @staticmethod
+    def _write(cache: Path, tensors: ImageTensors, stale: list[Path], lock: int) -> None:
+        try:
+            with atomic_path(cache) as tmp:
+                torch.save({"images": tensors.images, "labels": tensors.labels, "classes": tensors.classes}, tmp)
+            for older in stale:
+                older.unlink(missing_ok=True)
+        except Exception:  # a full disk: the set is decoded again by the next job that needs it
+            log.exception("could not write the decoded set's cache %s", cache)
+        finally:
+            os.close(lock)  # releases the lock: a waiting worker now finds the file (or decodes)
 
 
 def _read_cache(path: Path) -> ImageTensors:
@@ -160,14 +214,15 @@ def _read_cache(path: Path) -> ImageTensors:
     return ImageTensors(saved["images"], saved["labels"], list(saved["classes"]))
 
 
-@contextmanager
-def _exclusive(lock: Path) -> Iterator[None]:
+def _exclusive(lock: Path) -> int:
+    """An open descriptor holding an exclusive lock on `lock`; closing it releases the lock."""
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 # The `fake` set's "test split" for evaluations: the same class patterns, noise drawn from a seed

@@ -17,16 +17,13 @@ bounded by the cores alone; what they cost the worker, each chunk's arrays copie
 pipe, is a small fraction of a photo's decode. And a process contains a decoder that crashes:
 a native decoder's segfault kills one pool process, never the worker (below).
 
-Why forkserver: a worker runs threads (heartbeat, /predict intake and decode, the job) and holds
-a CUDA context on a GPU. Forking such a process copies locks other threads may hold and a CUDA
-context the child must never touch; spawn starts clean but pays a fresh interpreter per process.
-The forkserver is a clean process, started once per worker process (fork + exec, safe with
-threads) with this module and its imports preloaded; pool processes fork from it in
-milliseconds, then import the worker's main module as multiprocessing does (app/cli.py, whose
-imports are light; a script that decodes a set must guard its work with
-`if __name__ == "__main__"`). This module, worker/preprocess.py and core/images.py import no
-torch, so neither the server nor a pool process does (importing torch costs seconds and hundreds
-of megabytes).
+Why a forkserver (worker/forkserver.py): a worker runs threads and may hold a CUDA context, which
+forking would copy; the worker's forkserver is a clean process, started when the worker starts,
+with this module, its imports and the worker's main module preloaded, so a pool process forks
+from it in milliseconds and finds what it runs already imported. This module,
+worker/preprocess.py and core/images.py import no torch, so neither the server nor a pool process
+does (importing torch costs seconds and hundreds of megabytes); a script that decodes a set must
+guard its work with `if __name__ == "__main__"` (each pool process imports the main module).
 
 A pool process that dies (a decoder crash, the OOM killer, a stray signal) breaks the pool:
 every chunk in flight fails at once, nothing hangs. Those chunks' files are then decoded again
@@ -40,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import multiprocessing
 import os
 import select
 import threading
@@ -51,13 +47,13 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
-from multiprocessing.context import BaseContext
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 from core.images import IMAGE_FORMATS
+from worker import forkserver
 from worker.preprocess import image_to_array
 
 log = logging.getLogger(__name__)
@@ -196,14 +192,7 @@ def _store(files: list[str], begin: int, arrays: np.ndarray, errors: list[str | 
 
 @contextmanager
 def _pool(workers: int, nice: int) -> Iterator[ProcessPoolExecutor]:
-    context: BaseContext
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        forkserver = multiprocessing.get_context("forkserver")
-        forkserver.set_forkserver_preload([__name__])  # only read when the server starts: once per worker
-        context = forkserver
-    else:
-        context = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_start_decoder,
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=forkserver.context(), initializer=_start_decoder,
                                initargs=(os.getpid(), nice))
     try:
         yield pool

@@ -37,6 +37,7 @@ from core.jobs import JobStore
 from core.queue import TRAIN_QUEUE, queue_for_device
 from core.redis import connect
 from core.storage import CheckpointPaths
+from worker import forkserver
 from worker.device import WorkerDevice
 from worker.job_runner import JobRunner
 from worker.state import WorkerState
@@ -135,6 +136,7 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     _current = WorkerRuntime(settings, device, runner)
 
     worker_shutting_down.connect(lambda **_: state.shutdown.set(), weak=False)
+    threading.Thread(target=_prepare_for_jobs, name="prepare-for-jobs", daemon=True).start()
     heartbeat.beat()
     heartbeat.start()
     inference.start()
@@ -153,6 +155,19 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     if state.out_of_service.is_set():
         _exit_out_of_service()
     return worker.exitcode or 0
+
+
+def _prepare_for_jobs() -> None:
+    """What a worker's first job would otherwise pay on its own clock, done beside the worker's
+    start: the forkserver its decoding pools fork from (worker/forkserver.py), and torchvision, which
+    builds the zoo's models and imports torch._dynamo with it (seconds of imports; docs/benchmarks.md,
+    "A first job's fixed cost"). A job that needs either before this thread is done waits for it
+    (the import lock), never does it twice."""
+    try:
+        forkserver.start()
+        import models.torchvision_nets  # noqa: F401  (the import is the point)
+    except Exception:  # the first job would meet the same error, where it is reported
+        log.exception("preparing for the first job failed")
 
 
 def _exit_out_of_service() -> NoReturn:

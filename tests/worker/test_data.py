@@ -26,7 +26,7 @@ from PIL import Image
 from core.archives import extract_image_folder
 from core.zip_safety import ArchiveLimits
 from tests.datagen import CIFAR_CLASSES, SHAPE_CLASSES, photo_jpeg, shapes_zip, write_cifar10, write_mnist
-from worker.data import DatasetUnavailable, load_fake, load_image_folder, load_torchvision, split
+from worker.data import CacheWriter, DatasetUnavailable, load_fake, load_image_folder, load_torchvision, split
 from worker.preprocess import image_to_array
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,6 +153,7 @@ def test_a_set_decoded_by_the_pool_is_each_file_through_the_transform(tmp_path: 
     skipped = sorted(r.getMessage().split(":")[0] for r in caplog.records)
     assert skipped == [f"skipping unreadable image {root / 'a' / '0005.jpg'}",
                        f"skipping unreadable image {root / 'b' / 'notes.txt'}"]
+    CacheWriter.wait()  # the job does not wait for its cache; the test does
     assert sorted(p.name for p in cache.glob("*.pt")) == ["3x32x32-t2.pt"]  # the stale cache is gone
     again = load_image_folder(root, 3, 32, 32)
     assert torch.equal(again.images, data.images) and torch.equal(again.labels, data.labels)
@@ -185,13 +186,16 @@ def test_a_decoding_process_killed_mid_set_costs_nothing(tmp_path: Path, caplog:
     files = write_photo_set(root, per_class=120)
     me = psutil.Process()
     killed: list[int] = []
+    # Pool processes are the forkserver's children, so our grandchildren; so are the decoding
+    # processes other tests left running (/predict's share the forkserver): only a new one is ours.
+    before = {p.pid for p in me.children(recursive=True)}
 
-    def kill_a_decoder() -> None:  # pool processes are the forkserver's children: our grandchildren
+    def kill_a_decoder() -> None:
         deadline = time.monotonic() + 30
         while not killed and time.monotonic() < deadline:
             for process in me.children(recursive=True):
                 with contextlib.suppress(psutil.Error):
-                    if process.ppid() != me.pid:
+                    if process.pid not in before and process.ppid() != me.pid:
                         process.kill()
                         killed.append(process.pid)
                         return
@@ -209,25 +213,27 @@ def test_a_decoding_process_killed_mid_set_costs_nothing(tmp_path: Path, caplog:
 
 
 LOADER = r"""
-import hashlib, logging, sys
+import hashlib, logging, sys, time
 from pathlib import Path
 from worker.data import load_image_folder
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
     data = load_image_folder(Path(sys.argv[1]), 3, 224, 224)
     print(hashlib.sha256(data.images.numpy().tobytes() + data.labels.numpy().tobytes()).hexdigest(), flush=True)
+    if sys.argv[2:] == ["train"]:  # a job goes on with its data while its cache is written
+        time.sleep(600)
 """
 
 
 @pytest.fixture
-def start_loader() -> Iterator[Callable[[Path], subprocess.Popen]]:
+def start_loader() -> Iterator[Callable[..., subprocess.Popen]]:
     """Start a worker's first job on a set, in a process of its own; any left at the end are killed
     (a failed test may leave one stopped)."""
     started: list[subprocess.Popen] = []
 
-    def start(root: Path) -> subprocess.Popen:
-        started.append(subprocess.Popen([sys.executable, "-c", LOADER, str(root)], cwd=REPO, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True))
+    def start(root: Path, *args: str) -> subprocess.Popen:
+        started.append(subprocess.Popen([sys.executable, "-c", LOADER, str(root), *args], cwd=REPO,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         return started[-1]
 
     yield start
@@ -268,7 +274,7 @@ def decoding_processes(pid: int, timeout: float = 30) -> list[psutil.Process]:
 
 @pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads the kernel's lock table (Linux)")
 def test_two_workers_decode_a_set_once_and_a_killed_one_leaves_nothing(
-        tmp_path: Path, start_loader: Callable[[Path], subprocess.Popen]) -> None:
+        tmp_path: Path, start_loader: Callable[..., subprocess.Popen]) -> None:
     """Two first jobs on the same set and spec: the second waits for the first and reads its file
     (decoded once). A first job SIGKILLed while it decodes leaves no decoding process behind and no
     cache; the next one decodes the set itself."""
@@ -300,3 +306,38 @@ def test_two_workers_decode_a_set_once_and_a_killed_one_leaves_nothing(
     third = start_loader(root)
     out, err = third.communicate(timeout=120)
     assert out.strip() == digest and "decoding 120 files" in err
+
+
+def test_a_cache_half_written_by_a_killed_worker_is_never_read(
+        tmp_path: Path, start_loader: Callable[..., subprocess.Popen]) -> None:
+    """A first job has its data before its cache is on disk (a thread writes it); SIGKILLed while the
+    file is half-written, it leaves a temporary file and no cache: the next job decodes the set again,
+    gets every image right, and removes the leftover."""
+    root = tmp_path / "ds"
+    files = write_photo_set(root, per_class=100)
+    expected = one_by_one(files, 3, 224, 224)
+    digest = hashlib.sha256(expected.tobytes() + np.repeat([0, 1], 100).astype(np.int64).tobytes()).hexdigest()
+    folder = root.parent / ".ds.cache"
+    cache = folder / "3x224x224-t2.pt"
+
+    doomed = start_loader(root, "train")
+    deadline = time.monotonic() + 120
+    partial: list[Path] = []
+    while not partial and doomed.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            partial = [p for p in folder.glob(f".{cache.name}.*.tmp") if p.stat().st_size > 0]
+    doomed.send_signal(signal.SIGSTOP)  # frozen mid-write, then killed where it stands
+    assert partial, "the cache was never seen being written"
+    written = partial[0].stat().st_size
+    doomed.kill()
+    doomed.communicate()
+    assert not cache.exists(), "the kill landed after the rename: the file was whole; no half-written one to test"
+    assert partial[0].exists() and written > 0  # a cache begun, under its temporary name only
+    assert doomed.returncode == -signal.SIGKILL
+
+    again = start_loader(root)
+    out, err = again.communicate(timeout=120)
+    assert out.strip() == digest and "decoding 200 files" in err  # decoded again, not read from the leftover
+    assert cache.exists() and not list(folder.glob("*.tmp"))
+    saved = torch.load(cache, weights_only=True)
+    assert np.array_equal(saved["images"].numpy(), expected)

@@ -9,9 +9,9 @@ fraction of a photo's decode; small images, for which that would not pay, are de
 worker's own thread (worker/serving/decode.DecodeSplit).
 
 This module imports no torch (nor does worker/preprocess.py), so a decoding process starts in
-milliseconds from the forkserver and stays small. The forkserver is a clean process started once
-per worker (fork + exec, safe in a worker that runs threads and holds a CUDA context); decoding
-processes fork from it with this module preloaded, and end with the worker however it ends.
+milliseconds from the worker's forkserver (worker/forkserver.py: a clean process started with the
+worker, safe in a worker that runs threads and holds a CUDA context, this module preloaded) and
+stays small; decoding processes end with the worker however it ends.
 
 A decoding process that dies (a decoder crash on a hostile file, the OOM killer) breaks the pool:
 the batch's images are then decoded again one at a time in a fresh pool, and an image that kills
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
-import multiprocessing
 import os
 import select
 import threading
@@ -31,13 +30,13 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from multiprocessing.context import BaseContext
 from typing import NamedTuple
 
 import numpy as np
 from PIL import Image
 
 from core.images import IMAGE_FORMATS
+from worker import forkserver
 from worker.preprocess import image_to_array
 
 log = logging.getLogger(__name__)
@@ -153,21 +152,12 @@ class DecodeProcesses:
     def _running(self) -> ProcessPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ProcessPoolExecutor(self.processes, mp_context=_context(),
+                self._pool = ProcessPoolExecutor(self.processes, mp_context=forkserver.context(),
                                                  initializer=_end_with, initargs=(os.getpid(),))
             return self._pool
 
     def _restart(self) -> None:
         self.shutdown()
-
-
-def _context() -> BaseContext:
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        forkserver = multiprocessing.get_context("forkserver")
-        # Read only when the server starts, once per worker process: what its children import at once.
-        forkserver.set_forkserver_preload([__name__])
-        return forkserver
-    return multiprocessing.get_context("spawn")
 
 
 def _end_with(worker: int) -> None:

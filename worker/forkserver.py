@@ -1,0 +1,57 @@
+"""The worker's forkserver: where its decoding processes (an upload's, worker/dataset_decode.py, and
+/predict's, worker/serving/decode_processes.py) fork from, started once per worker process.
+
+Why a forkserver: a worker runs threads (heartbeat, /predict intake and decode, the job) and holds
+a CUDA context on a GPU. Forking such a process copies locks other threads may hold and a CUDA
+context the child must never touch; spawn starts clean but pays a fresh interpreter per process.
+The forkserver is a clean process (fork + exec, safe with threads); a child forks from it in
+milliseconds with what the server preloaded already imported.
+
+What it preloads, and why all of it at once: both decoding modules (numpy, Pillow, the transform;
+none imports torch), and the worker's main module (app/cli.py, the entry point: pydantic settings,
+the Redis client). multiprocessing makes every child import the parent's main module before its
+first task; preloaded, that import finds its modules in place and costs milliseconds, where each
+of a 16-process pool would otherwise spend a fraction of a second of CPU importing them, on the
+first job's clock. Preloads are read when the server starts, so they must all be named by the one
+place that starts it: this module.
+
+`start` runs when the worker starts (worker/main.py, on a thread of its own, beside the other
+set-up), so a first job's decode finds the server running instead of starting it. Where there is
+no forkserver (not Linux), spawn is the fallback and `start` does nothing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import sys
+from multiprocessing.context import BaseContext
+
+# The modules whose functions run in the server's children: imported by the server, once.
+DECODING_MODULES = ("worker.dataset_decode", "worker.serving.decode_processes")
+
+
+def context() -> BaseContext:
+    """The context every decoding pool of the worker starts its processes with."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    forkserver = multiprocessing.get_context("forkserver")
+    forkserver.set_forkserver_preload([*DECODING_MODULES, *_main_module()])
+    return forkserver
+
+
+def start() -> None:
+    """Start the server now (if not running already), so that no pool waits for it."""
+    ctx = context()
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+
+
+def _main_module() -> list[str]:
+    """The main module's name when it was run as one (`python -m app.cli`: each child imports it again
+    under that name). A script run by its path is left out: the server would not import it (it is
+    given no path to import it from), and its children import it as before."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    name = getattr(spec, "name", None)
+    return [name] if name and name != "__main__" and not name.endswith(".__main__") else []
