@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -151,7 +152,7 @@ def load_image_folder(root: Path, channels: int, height: int, width: int,
         os.close(lock)
         raise
     stale = [p for p in [folder / f"{spec.name}.pt", *folder.glob(f"{spec.name}-t*.pt")] if p != cache]
-    CacheWriter.start(cache, tensors, stale, lock)
+    CacheWriter.start(cache, tensors, stale, lock, root)
     return tensors
 
 
@@ -181,8 +182,9 @@ class CacheWriter:
     _guard = threading.Lock()
 
     @classmethod
-    def start(cls, cache: Path, tensors: ImageTensors, stale: list[Path], lock: int) -> None:
-        thread = threading.Thread(target=cls._write, args=(cache, tensors, stale, lock), name="dataset-cache-writer")
+    def start(cls, cache: Path, tensors: ImageTensors, stale: list[Path], lock: int, source: Path) -> None:
+        thread = threading.Thread(target=cls._write, args=(cache, tensors, stale, lock, source),
+                                  name="dataset-cache-writer")
         with cls._guard:
             cls._running[:] = [t for t in cls._running if t.is_alive()]
             cls._running.append(thread)
@@ -197,12 +199,17 @@ class CacheWriter:
             thread.join(timeout)
 
     @staticmethod
-    def _write(cache: Path, tensors: ImageTensors, stale: list[Path], lock: int) -> None:
+    def _write(cache: Path, tensors: ImageTensors, stale: list[Path], lock: int, source: Path) -> None:
         try:
             with atomic_path(cache) as tmp:
                 torch.save({"images": tensors.images, "labels": tensors.labels, "classes": tensors.classes}, tmp)
             for older in stale:
                 older.unlink(missing_ok=True)
+            # The job may have ended, and its dataset been deleted (which removes the source and
+            # then this folder), while the file was written: checked after the file is in place, so
+            # either this sees the source gone or the deletion's own removal comes after the file.
+            if not source.exists():
+                shutil.rmtree(cache.parent, ignore_errors=True)
         except Exception:  # a full disk: the set is decoded again by the next job that needs it
             log.exception("could not write the decoded set's cache %s", cache)
         finally:

@@ -341,3 +341,19 @@ def test_a_cache_half_written_by_a_killed_worker_is_never_read(
     assert cache.exists() and not list(folder.glob("*.tmp"))
     saved = torch.load(cache, weights_only=True)
     assert np.array_equal(saved["images"].numpy(), expected)
+
+
+def test_a_set_deleted_while_its_cache_is_written_leaves_no_cache(tmp_path: Path) -> None:
+    """The job has its images and may end, and its dataset be deleted (the source folder first),
+    while the cache is still being written behind it: no decoded copy of a deleted set stays on disk."""
+    root = tmp_path / "ds"
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True)
+        for i in range(100):
+            Image.new("RGB", (8, 8), (i, 2 * i, 255 - i)).save(root / label / f"{i}.png")
+    data = load_image_folder(root, 3, 512, 512)  # ~150 MB to write: still writing when the set goes
+    assert len(data.labels) == 200
+    subprocess.run(["rm", "-rf", str(root)], check=True)
+    CacheWriter.wait()
+    assert not (tmp_path / ".ds.cache").exists()
+    assert list(tmp_path.iterdir()) == []
