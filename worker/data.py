@@ -9,7 +9,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,8 +198,3 @@ def split(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.T
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     _, n_val = split_sizes(n, val_fraction)  # the sizes the API checked at submit
     return order[n_val:], order[:n_val]
-
-
-def batches(n: int, batch_size: int) -> Iterable[tuple[int, int]]:
-    for start in range(0, n, batch_size):
-        yield start, min(start + batch_size, n)
