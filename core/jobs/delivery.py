@@ -63,8 +63,8 @@ return 1
 """
 
 
-class Delivery(JobStoreBase):
-    """The job store as the delivery that owns a job uses it (worker/delivery.py, worker/job_context.py)."""
+class DeliverySide(JobStoreBase):
+    """The job store as the delivery that owns a job uses it (worker/delivery.Delivery, worker/job_context.py)."""
 
     @cached_property
     def _fenced_write(self) -> Script:
