@@ -20,7 +20,7 @@ def die_with_parent() -> None:
 
     The kernel arms it for the *thread* that forks, not the process: a child started from a thread
     gets SIGTERM when that thread ends. Start children from a thread that outlives them (the
-    supervisor's main loop; scripts/chaos.py's spawner thread)."""
+    supervisor's main loop; the chaos soak's spawner thread, scripts/chaos_soak/stack.py)."""
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

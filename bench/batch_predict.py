@@ -53,7 +53,7 @@ or two torch threads, were slower). Since the evening of 2026-11-24 the worker s
 (worker/device.openmp_environment), which costs resnet18's job about 7% (its handler, eight jobs
 each, alternating: 2,297 to 2,518 against 2,412 to 2,707 img/s) and gains /predict at 32 clients
 about a fifth; the decode processes run at nice 10, yielding the cores to the forward's threads
-(worker/kinds/predict.py, worker/predict_decode.py)."""
+(worker/predict_decode._decode_at_lower_priority, called by worker/kinds/predict.py)."""
 
 
 def images_zip(n: int) -> bytes:

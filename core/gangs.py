@@ -19,7 +19,7 @@ torch.distributed (worker/gang.py, worker/gang_training.py). Three records make 
   the ranks that are ready, the last epoch rank 0 recorded, and the first failure a rank
   reported. Every write checks the attempt id inside its script: a rank of an older attempt
   (frozen, then woken) writes nothing. Rank 0 writes the job itself, through the job's fenced
-  delivery (core/jobs.py) as any single-device job does; the other ranks never write the job.
+  delivery (core/jobs/delivery.py) as any single-device job does; the other ranks never write the job.
 - **The waiting set** (`ty:gangs:waiting`): where a gang job's deliveries go instead of a
   Celery queue (core/queue.dispatcher), oldest job first.
 """

@@ -7,7 +7,7 @@ named by core/queue.py, and their priority sub-lists are spelled here because we
 
 Layout::
 
-    ty:job:<id>                      hash   the job record (core/jobs.py)
+    ty:job:<id>                      hash   the job record (core/jobs/)
     ty:job:<id>:events               stream status/progress/metrics events, SSE ids
     ty:jobs                          zset   every job id (lexicographic = chronological)
     ty:jobs:status:<status>          zset   job ids by status

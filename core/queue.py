@@ -73,7 +73,7 @@ class TrainDelivery:
         return f"{self.job_id}.{self.token}" + (f".{self.seat}" if self.seat else "")
 
 
-# How the job store sends a delivery; a callable so core/jobs.py never imports Celery.
+# How the job store sends a delivery; a callable so core/jobs/ never imports Celery.
 Dispatch = Callable[[TrainDelivery], None]
 
 

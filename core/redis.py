@@ -3,7 +3,7 @@
 Every client retries a command once on a broken connection, after a short pause: after Redis
 restarts, each pooled connection is dead and would otherwise fail one request (a 503, a paused
 step) before redis-py replaces it. A retried write whose first try did reach Redis runs twice,
-so every write the job store retries this way is idempotent (core/jobs.py).
+so every write the job store retries this way is idempotent (core/jobs/).
 """
 
 from __future__ import annotations

@@ -168,3 +168,81 @@ def two_hosts(root: Path, timeout: float = 180, **env: str) -> Iterator[dict]:
         client.close()
         procs.stop_all()
         server.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# What the end-to-end fault tests read and send (tests/e2e/test_faults*.py, test_gangs.py): a job's
+# event stream as a client reads it, the check that a job ran once, and small learnable inputs.
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def submit_cifar(client: httpx.Client, epochs: int, **params) -> str:
+    """A cifar_net job on the built-in `fake` set, early stopping off (long jobs stay long)."""
+    created = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": epochs, "patience": 0,
+                                         **params})
+    assert created.status_code == 202, created.text
+    return created.json()["id"]
+
+
+def get_job(client: httpx.Client, job_id: str) -> dict:
+    return client.get(f"/jobs/{job_id}").json()
+
+
+def read_sse(client: httpx.Client, job_id: str, last_event_id: str | None = None,
+             stop_after: int | None = None) -> list[tuple[str, str, dict]]:
+    """(id, event, data) triples; stops at the stream's end, or after `stop_after` events."""
+    import json
+
+    headers = {"Last-Event-ID": last_event_id} if last_event_id else {}
+    out: list[tuple[str, str, dict]] = []
+    current: dict[str, str] = {}
+    with client.stream("GET", f"/jobs/{job_id}/events", headers=headers, timeout=120) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if not line:
+                if "id" in current:
+                    out.append((current["id"], current["event"], json.loads(current["data"])))
+                    if stop_after and len(out) >= stop_after:
+                        return out
+                current = {}
+                continue
+            key, _, value = line.partition(": ")
+            current[key] = value
+    return out
+
+
+def job_events(client: httpx.Client, job_id: str, last_event_id: str | None = None) -> list[tuple[str, dict]]:
+    """(event, data) pairs of a job's whole stream (or from `last_event_id` on)."""
+    return [(kind, data) for _, kind, data in read_sse(client, job_id, last_event_id)]
+
+
+def assert_ran_once(client: httpx.Client, job: dict, epochs: int) -> None:
+    """Each epoch recorded once (in the record and in the event stream), one terminal status."""
+    assert [m["epoch"] for m in job["metrics"]] == list(range(1, epochs + 1))
+    events = job_events(client, job["id"])
+    per_epoch = [data["epoch"] for kind, data in events if kind == "metrics"]
+    assert sorted(per_epoch) == list(range(1, epochs + 1)), per_epoch
+    assert [data["status"] for kind, data in events if kind == "status" and data["status"] in TERMINAL] == [job["status"]]
+
+
+def pattern_png(label: int) -> bytes:
+    """A 32x32 PNG of class `label` of the built-in `fake` set: what its models recognise."""
+    import torch
+
+    from worker.data import fake_images
+
+    image = fake_images(torch.tensor([label]), 3, 32, 32, seed=4242)[0]
+    return png_bytes(image.permute(1, 2, 0).numpy())
+
+
+def pattern_zip() -> bytes:
+    """A dataset upload of four pattern PNGs, two classes of two."""
+    import zipfile
+
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for label in (1, 2):
+            for k in range(2):
+                archive.writestr(f"c{label}/{k}.png", pattern_png(label))
+    return buffer.getvalue()

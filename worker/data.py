@@ -11,7 +11,6 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -260,8 +259,3 @@ def split(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.T
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     _, n_val = split_sizes(n, val_fraction)  # the sizes the API checked at submit
     return order[n_val:], order[:n_val]
-
-
-def batches(n: int, batch_size: int) -> Iterable[tuple[int, int]]:
-    for start in range(0, n, batch_size):
-        yield start, min(start + batch_size, n)

@@ -6,7 +6,7 @@ slow before it: not NVML, not a publish), publishes the device state, and sweeps
 
 The sweep is the cluster's recovery, run by one live worker at a time (a short Redis lock):
 expired leases are redelivered, queued jobs whose message was lost are re-sent, and ended jobs'
-files left unsettled by a dead owner are settled (core/jobs.py). Two guards keep it from doing
+files left unsettled by a dead owner are settled (core/jobs/recovery.py). Two guards keep it from doing
 harm after an outage, when nobody could renew and every lease looks expired:
 
 - a worker sweeps only once it has itself seen Redis answer, beat after beat without a stall,

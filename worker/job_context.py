@@ -11,7 +11,7 @@ Writing, the only ways (each is fenced by this delivery's token, see worker/deli
 
 - job state: `ctx.reporter.progress(...)` / `.epoch(...)` / `.resumed(...)`, `ctx.set_params(...)`,
   `ctx.set_classes(...)`, and `ctx.record(fields, event)` for a kind's own fields (add a JSON
-  field's name to core/jobs._JSON_FIELDS so readers decode it, and to core/schemas.Job);
+  field's name to core/jobs/records.JSON_FIELDS so readers decode it, and to core/schemas.Job);
 - files: `ctx.output_path(name)` for a file users read (`model.pt`, `results.jsonl`, ...): write
   it there (atomically, core/storage.atomic_path), and it is moved to the job's directory as
   `name` if and only if this delivery finishes the job `succeeded`; `ctx.scratch_path(name)` for

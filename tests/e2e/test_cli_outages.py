@@ -5,7 +5,7 @@ one line when it starts and one when it ends, without a traceback (#28 item 10).
 
 The job waits in its queue while the outages happen (its worker is SIGSTOPped), so the test does
 not depend on how fast this host trains: the follower is what is under test (a job paused by a
-Redis outage mid-step is test_faults.py's)."""
+Redis outage mid-step is test_faults_cluster.py's)."""
 
 from __future__ import annotations
 

@@ -26,8 +26,7 @@ import httpx
 import pytest
 import torch
 
-from tests.e2e.test_faults import _events, _pattern_png, _ran_once
-from tests.support import two_hosts, wait_for_job, wait_until
+from tests.support import assert_ran_once, job_events, pattern_png, two_hosts, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -128,7 +127,7 @@ def test_a_two_rank_job_trains_like_one_device(gangs: dict, reference: dict) -> 
 
     done = wait_for_job(client, job_id, TERMINAL, timeout=600)
     assert done["status"] == "succeeded" and done["attempts"] == 1, done
-    _ran_once(client, done, SPEC["epochs"])
+    assert_ran_once(client, done, SPEC["epochs"])
     _assert_same_metrics(done["metrics"], reference["job"]["metrics"])
     difference = _max_difference(_weights(client, done), reference["weights"])
     print(f"2 ranks against 1 device: largest weight difference {difference:.3g}")
@@ -140,7 +139,7 @@ def test_a_two_rank_job_trains_like_one_device(gangs: dict, reference: dict) -> 
     answered = set()
     for trained in (job_id, reference["job"]["id"]):
         answer = client.post("/predict", data={"job_id": trained},
-                             files={"file": ("p.png", _pattern_png(3), "image/png")})
+                             files={"file": ("p.png", pattern_png(3), "image/png")})
         assert answer.status_code == 200, answer.text
         answered.add(answer.json()["device"])
     assert answered == {"h1/cpu", "h2/cpu"}
@@ -187,8 +186,8 @@ def test_sigkill_of_a_rank_mid_epoch_resumes_after_the_last_recorded_epoch(gangs
     done = wait_for_job(client, job_id, TERMINAL, timeout=600)
     assert done["status"] == "succeeded" and done["attempts"] == 2, done
     assert done["resumed_from_epoch"] >= 1
-    _ran_once(client, done, epochs)
-    requeued = [e for kind, e in _events(client, job_id) if kind == "status" and e.get("status") == "queued"]
+    assert_ran_once(client, done, epochs)
+    requeued = [e for kind, e in job_events(client, job_id) if kind == "status" and e.get("status") == "queued"]
     assert len(requeued) == 2 and "left the gang" in requeued[1]["reason"], requeued  # submitted, then given back
     _weights(client, done)  # the download matches the recorded sha256
 
@@ -215,16 +214,16 @@ def test_sigstop_of_rank_zero_past_its_lease_resumes_elastically(gangs: dict, re
     assert again["ranks"] == [{"rank": 0, "device": other, "worker": again["ranks"][0]["worker"]}]
     done = wait_for_job(client, job_id, TERMINAL, timeout=600)
     assert done["status"] == "succeeded" and done["attempts"] == 2 and done["resumed_from_epoch"] >= 1, done
-    _ran_once(client, done, SPEC["epochs"])
+    assert_ran_once(client, done, SPEC["epochs"])
     _assert_same_metrics(done["metrics"], reference["job"]["metrics"])
     difference = _max_difference(_weights(client, done), reference["weights"])
     print(f"2 ranks, then 1 after the fault, against 1 device: largest weight difference {difference:.3g}")
     assert difference < WEIGHT_TOLERANCE
     # The woken rank 0 notices, writes nothing, and its device is free again.
-    events = _events(client, job_id)
+    events = job_events(client, job_id)
     procs = gangs["procs"]
     wait_until(lambda: "lost its lease" in procs.log(stale), timeout=60, what="the stale rank 0 to notice")
     _wait_idle(gangs)
-    assert _job(client, job_id) == done and _events(client, job_id) == events
+    assert _job(client, job_id) == done and job_events(client, job_id) == events
     job_dir = gangs["data_dir"] / "checkpoints" / job_id
     assert sorted(p.name for p in job_dir.iterdir()) == ["model.pt"]

@@ -1,8 +1,9 @@
-"""A short pass of the chaos soak (scripts/chaos.py; `make chaos` runs the long one): jobs
-submitted through the API, retried with their Idempotency-Key, while the API is killed, Redis is
-killed and frozen, and the API and a worker are frozen; nothing may be lost or run twice, every
-checkpoint must match its sha256. (Killed and broken workers restart a whole process, tens of
-seconds of torch import on a busy CI host: the long pass and tests/e2e cover those.)"""
+"""A short pass of the chaos soak (scripts/chaos.py, its parts in scripts/chaos_soak/; `make chaos`
+runs the long one): jobs submitted through the API, retried with their Idempotency-Key, while the
+API is killed, Redis is killed and frozen, and the API and a worker are frozen; nothing may be lost
+or run twice, every checkpoint must match its sha256. (Killed and broken workers restart a whole
+process, tens of seconds of torch import on a busy CI host: the long pass and tests/e2e cover
+those.)"""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def test_a_worker_the_soak_restarts_from_a_thread_outlives_that_thread(tmp_path:
 
     from core.devices import DeviceRegistry
     from core.redis import connect
-    from scripts.chaos import Stack
+    from scripts.chaos_soak.stack import Stack
     from tests.support import wait_until
 
     stack = Stack(tmp_path / "data", lease_ttl_s=3.0)

@@ -1,0 +1,164 @@
+"""What a user's request does to the job store: create a job (its record, its dispatch intent and
+its Idempotency-Key in one transaction, the message after it), answer a retry of that request,
+and cancel a job.
+
+The Idempotency-Key lives here because it is part of creating: it is written with the record and
+bound to a digest of the resolved request, so the same request again returns the first job and
+another request under the same key is refused."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import redis
+
+from core import keys
+from core.clock import redis_now, seconds_from_time_reply, utc_now_iso
+from core.errors import Conflict, InvalidInput, NotFound
+from core.jobs.records import JobStoreBase, new_job_id, new_token
+from core.queue import TrainDelivery, queue_for_device
+from core.schemas import Job, JobKind, JobStatus, Progress
+
+IDEMPOTENCY_TTL_S = 24 * 3600
+MAX_IDEMPOTENCY_KEY = 200
+
+
+def request_fingerprint(kind: JobKind, model: str, dataset: str, params: Mapping[str, Any],
+                        requested_device: str) -> str:
+    """A digest of the resolved request: what an Idempotency-Key is bound to. Taken after every
+    default was decided (core/kinds/train.py), so two bodies that ask for the same job agree."""
+    canonical = json.dumps({"kind": kind.value, "model": model, "dataset": dataset, "params": dict(params),
+                            "device": requested_device}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def body_digest(kind: JobKind, body: Mapping[str, Any]) -> str:
+    """A digest of a request as its client sent it (the validated body, before any default is
+    resolved): a retry of it is answered by `JobStore.replay` without checking it again."""
+    canonical = json.dumps({"kind": kind.value, "body": dict(body)}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _parse_idempotency(value: str) -> tuple[str, str | None]:
+    """(job id, request digest). A first-wave value is a bare job id, bound to no request."""
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        return value, None
+    if isinstance(doc, dict) and isinstance(doc.get("job"), str):
+        return doc["job"], doc.get("request")
+    return value, None
+
+
+class Intake(JobStoreBase):
+    """The job store's side of `POST /jobs` (and its kinds' submitters) and of a cancel."""
+
+    def create(self, *, model: str, dataset: str, params: dict[str, Any], requested_device: str,
+               idempotency_key: str | None = None, kind: JobKind = JobKind.train,
+               body_digest: str | None = None) -> tuple[Job, bool]:
+        """Record a queued job and dispatch it. Returns (job, created); a repeated key returns the first.
+
+        One transaction writes the record, its indexes, its first event, the dispatch intent
+        and the Idempotency-Key (with `body_digest`, the request as sent: `replay` answers a
+        retry of it before anything is validated again): a crash can leave all of them or none."""
+        if idempotency_key is not None and len(idempotency_key) > MAX_IDEMPOTENCY_KEY:
+            raise InvalidInput(f"Idempotency-Key is longer than {MAX_IDEMPOTENCY_KEY} characters")
+        idem_key = keys.idempotency(idempotency_key) if idempotency_key else None
+        fingerprint = request_fingerprint(kind, model, dataset, params, requested_device)
+        queue = queue_for_device(requested_device, int(params.get("world_size") or 1))  # gangs: core/gangs.py
+        job_id, token = new_job_id(), new_token()
+        record = {
+            "id": job_id, "kind": kind.value, "status": JobStatus.queued.value, "model": model, "dataset": dataset,
+            "params": json.dumps(params), "requested_device": requested_device, "queue": queue,
+            "progress": json.dumps(Progress(epochs=params.get("epochs", 0)).model_dump()),
+            "metrics": "[]", "attempts": 0, "created_at": utc_now_iso(), "delivery": token,
+            "message": f"waiting for a worker on queue {queue}",
+        }
+        earlier: list[str] = []
+
+        def txn(pipe: redis.client.Pipeline) -> None:
+            earlier.clear()
+            if idem_key:
+                existing = pipe.get(idem_key)
+                if existing:
+                    first_id, first_request = _parse_idempotency(existing)
+                    if pipe.exists(keys.job(first_id)):
+                        if first_request is not None and first_request != fingerprint:
+                            raise InvalidInput(
+                                f"Idempotency-Key {idempotency_key!r} was already used for a different request "
+                                f"(job {first_id}); send the same body to get that job, or use a new key")
+                        earlier.append(first_id)
+                        return
+            now = seconds_from_time_reply(pipe.time()) if idem_key else redis_now(self.redis)
+            pipe.multi()
+            pipe.hset(keys.job(job_id), mapping=record)
+            pipe.zadd(keys.JOBS_INDEX, {job_id: 0})
+            pipe.zadd(keys.jobs_with_status(JobStatus.queued.value), {job_id: 0})
+            pipe.zadd(keys.DISPATCH_DUE, {job_id: now + self.dispatch_grace_s})
+            if idem_key:
+                pipe.set(idem_key, json.dumps({"job": job_id, "request": fingerprint, "body": body_digest}),
+                         ex=IDEMPOTENCY_TTL_S)
+            self._event(pipe, job_id, "status", {"status": "queued", "attempts": 0})
+
+        if idem_key:
+            self.redis.transaction(txn, idem_key)
+        else:
+            pipe = self.redis.pipeline(transaction=True)
+            txn(pipe)
+            pipe.execute()
+        if earlier:
+            return self.get(earlier[0]), False
+        job = self.get(job_id)  # as created: an idle worker may claim it as soon as it is sent
+        self._send(TrainDelivery(job_id, token, queue))
+        return job, True
+
+    def replay(self, idempotency_key: str | None, body_digest: str) -> Job | None:
+        """The job an earlier request with this key and this very body created, if it still exists.
+
+        Looked up before the request is validated again: a retry must get its job even after what
+        the first request was checked against changed (its dataset deleted, its parent job gone)."""
+        if not idempotency_key or len(idempotency_key) > MAX_IDEMPOTENCY_KEY:
+            return None
+        raw = self.redis.get(keys.idempotency(idempotency_key))
+        try:
+            doc = json.loads(raw) if raw else None
+        except ValueError:
+            return None
+        if not isinstance(doc, dict) or doc.get("body") != body_digest or not isinstance(doc.get("job"), str):
+            return None
+        try:
+            return self.get(doc["job"])
+        except NotFound:
+            return None
+
+    def request_cancel(self, job_id: str) -> Job:
+        """Cancel: a queued job ends at once; a running one stops at its next step."""
+        key = keys.job(job_id)
+
+        def txn(pipe: redis.client.Pipeline) -> None:
+            raw_status = pipe.hget(key, "status")
+            if raw_status is None:
+                raise NotFound(f"job {job_id} not found")
+            status = JobStatus(raw_status)
+            if status.terminal:
+                raise Conflict(f"job {job_id} is already {status.value}")
+            now = seconds_from_time_reply(pipe.time())
+            pipe.multi()
+            pipe.hset(key, "cancel_requested", utc_now_iso())
+            if status is JobStatus.queued:
+                pipe.hset(key, mapping={"status": JobStatus.cancelled.value, "finished_at": utc_now_iso(),
+                                        "message": "cancelled before it started",
+                                        "settle": json.dumps({"token": "", "promote": []})})
+                pipe.zrem(keys.DISPATCH_DUE, job_id)
+                # An earlier delivery may have left resume states behind: a worker cleans them.
+                pipe.zadd(keys.FILES_TO_SETTLE, {job_id: now})
+                self._move_index(pipe, job_id, status, JobStatus.cancelled)
+                self._event(pipe, job_id, "status", {"status": "cancelled"})
+            else:
+                self._event(pipe, job_id, "cancel_requested", {})
+
+        self.redis.transaction(txn, key)
+        return self.get(job_id)
