@@ -136,6 +136,7 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     _current = WorkerRuntime(settings, device, runner)
 
     worker_shutting_down.connect(lambda **_: state.shutdown.set(), weak=False)
+    _sigterm_before_celery(state)
     threading.Thread(target=_prepare_for_jobs, name="prepare-for-jobs", daemon=True).start()
     heartbeat.beat()
     heartbeat.start()
@@ -155,6 +156,21 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     if state.out_of_service.is_set():
         _exit_out_of_service()
     return worker.exitcode or 0
+
+
+def _sigterm_before_celery(state: WorkerState) -> None:
+    """Until Celery installs its own handler (as the worker starts consuming, so no job is in hand
+    yet), a SIGTERM would end the process by the default action. That is right for an operator's
+    stop, but not for this worker's own after its device broke while it already served /predict:
+    the supervisor must see EXIT_OUT_OF_SERVICE, not a death by signal."""
+
+    def before_celery(signum: int, frame: object) -> None:
+        if state.out_of_service.is_set():
+            _exit_out_of_service()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, before_celery)
 
 
 def _prepare_for_jobs() -> None:

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.support import REPO, free_port, wait_until
+from tests.support import REPO, free_port, job_events, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -179,7 +179,6 @@ def test_a_worker_sigkilled_mid_epoch_under_up_takes_its_job_back_and_finishes_i
     (its reason says the worker process died; a 120 s lease rules out the lease's sweep); the job
     resumes after its last recorded epoch and succeeds, each epoch recorded once. How fast is
     measured by bench/takeover.py (docs/benchmarks.md), not asserted here."""
-    from tests.e2e.test_faults import _events
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
@@ -213,7 +212,7 @@ def test_a_worker_sigkilled_mid_epoch_under_up_takes_its_job_back_and_finishes_i
         assert done["status"] == "succeeded" and done["attempts"] == 2, done
         assert done["resumed_from_epoch"] is not None and done["resumed_from_epoch"] >= len(before["metrics"]), done
         assert [m["epoch"] for m in done["metrics"]] == list(range(1, epochs + 1))
-        events = _events(client, job_id)
+        events = job_events(client, job_id)
         reasons = [d.get("reason", "") for kind, d in events if kind == "status" and d.get("status") == "queued"]
         assert len(reasons) == 2 and reasons[1].startswith("its worker process (cpu@") \
             and reasons[1].endswith(") died"), reasons
