@@ -136,7 +136,8 @@ class DeviceChoices(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     device: str = Field(description='The torch device it trained on ("cpu", "cuda").')
-    batch_size: int = Field(description="The global batch it trained with: the job's, or its device type's default.")
+    batch_size: int = Field(description="The global batch it trained with: the job's, or its device "
+                            "type's default (a job delivered again keeps its first delivery's).")
     schedule: defaults.Schedule = Field(description="The schedule that ran: the job's, or `constant` for a default-"
                                                     "schedule run under its `min_schedule_steps` optimizer steps.")
     amp_dtype: Literal["bfloat16", "float16"] | None = Field(description="Autocast's dtype; null: full fp32.")

@@ -5,8 +5,9 @@ Every rank:
 - rank 0 opens the rendezvous store on its worker's advertised address, starts the gang record
   with that address and records the attempt's `ranks` in the job; the others got the address
   before they started (worker/gang.py);
-- loads the inputs and plans; rank 0 records the classes and its device choices in the job, and
-  the others take rank 0's precision (autocast dtype, gradient scaler: they must step alike);
+- loads the inputs and plans; rank 0 records the classes and its device choices in the job (the
+  batch and schedule an earlier attempt ran kept), and the others take rank 0's batch, schedule
+  and precision (autocast dtype, gradient scaler: they must step alike);
 - marks itself ready, waits for every rank, joins the process group (gloo on CPUs, NCCL on GPUs,
   its timeout the gang's) and trains; rank 0 alone writes checkpoints and the job's state;
 - leaves the process group, however training ended (aborted after a failure).
@@ -62,8 +63,10 @@ def _train(job: Job, rank: Rank) -> JobOutcome | None:
                    ("gang", {"attempt": rank.seat.attempt, "ranks": ranks}))
 
     inputs = training_inputs(job, settings, runner.catalog, runner.store, runner.paths, runner.device.torch_device)
+    # Rank 0 keeps the batch and schedule an earlier attempt ran (an elastic resume on other devices);
+    # the others take rank 0's below.
     plan = plan_training(job.id, job.model, inputs.params, inputs.data, inputs.device, inputs.channels,
-                         inputs.height, inputs.width)
+                         inputs.height, inputs.width, earlier=job.device_choices if ctx is not None else None)
     if ctx is not None:
         ctx.set_classes(inputs.data.classes)
         ctx.record({"device_choices": plan.device.model_dump()})
@@ -77,7 +80,8 @@ def _train(job: Job, rank: Rank) -> JobOutcome | None:
         rank.wait_ready({0})
         recorded = runner.store.get(job.id).device_choices  # rank 0's choices: every rank steps alike
         if recorded is not None:
-            plan = plan.with_choices(amp_dtype=recorded.amp_dtype, grad_scaler=recorded.grad_scaler)
+            plan = plan.with_choices(amp_dtype=recorded.amp_dtype, grad_scaler=recorded.grad_scaler,
+                                     batch_size=recorded.batch_size, schedule=recorded.schedule)
         pointer = runner.store.raw_field(job.id, "resume")
         resume_from = runner.paths.resolve(job.id, pointer) if pointer else None
         final_path = Path(tempfile.gettempdir()) / f"torchyard-{job.id}-rank{rank.seat.rank}.pt"  # never written

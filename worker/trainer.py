@@ -92,10 +92,16 @@ class TrainingResult:
 
 
 def plan_training(job_id: str, architecture: str, params: TrainingParams, data: ImageTensors,
-                  device: torch.device, channels: int, height: int, width: int) -> TrainingPlan:
-    """This device's choices for the job's stored params: the fast path, every choice recorded."""
+                  device: torch.device, channels: int, height: int, width: int,
+                  earlier: DeviceChoices | None = None) -> TrainingPlan:
+    """This device's choices for the job's stored params: the fast path, every choice recorded.
+
+    `earlier` is what an earlier delivery (or, for a gang's follower, rank 0) recorded: the batch and
+    the schedule it ran are kept, so a job resumed on another device type (an "auto" job requeued
+    from a GPU to a CPU, an elastic gang placed again) goes on with the run its resume state holds;
+    the rest (precision, placement) is this device's."""
     cuda = device.type == "cuda"
-    batch_size = params.batch_size or TRAIN_BATCH_SIZE[device.type]
+    batch_size = params.batch_size or (earlier.batch_size if earlier is not None else TRAIN_BATCH_SIZE[device.type])
     precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None, cpu_flags(),
                                  mixed=params.precision == "auto")
     n_train = len(data.labels) - len(split(len(data.labels), params.val_fraction, params.seed)[1])
@@ -105,7 +111,8 @@ def plan_training(job_id: str, architecture: str, params: TrainingParams, data: 
         free, _ = torch.cuda.mem_get_info(device)
         on_device = data.images.numel() < RESIDENT_SHARE * free
     choices = DeviceChoices(
-        device=str(device), batch_size=batch_size, schedule=schedule_for(params, steps),
+        device=str(device), batch_size=batch_size,
+        schedule=earlier.schedule if earlier is not None else schedule_for(params, steps),
         amp_dtype=precision.amp_dtype, grad_scaler=precision.grad_scaler, channels_last=precision.channels_last,
         cudnn_benchmark=cuda, data_on_device=on_device, staging_buffers=0 if on_device else STAGING_BUFFERS)
     return TrainingPlan(job_id, architecture, params, choices, channels, height, width)

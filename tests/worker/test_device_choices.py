@@ -12,6 +12,7 @@ import pytest
 import redis
 import torch
 
+from core import keys
 from core.jobs import JobStore
 from core.kinds.train import JobSpec, TrainingParams, resolve_params
 from core.schemas import DeviceChoices
@@ -88,3 +89,27 @@ def test_a_legacy_record_resumes(tmp_path: Path) -> None:
     result = _trainer(tmp_path, params, second, resume_from=first.resume_states[-1]).run()
     assert second.resumed_from == [1] and [m.epoch for m in second.epochs] == [2, 3]
     assert result.final_path.exists() and result.validation is not None
+
+
+def test_a_job_resumed_on_another_device_type_keeps_the_batch_and_schedule_it_ran(
+        clean_redis_url: str, tmp_path: Path) -> None:
+    """An "auto" job left its batch open; its first delivery (on a GPU: batch 256, and the default
+    schedule, as a run long enough for it records) recorded its choices and a resume state, then its
+    worker was lost. The CPU worker that takes it next must go on with the run that state holds, not with
+    a CPU's batch of 128 (other steps per epoch, another schedule: the previous code kept both in
+    the params it rewrote)."""
+    store = JobStore(redis.Redis.from_url(clean_redis_url, decode_responses=True), lambda delivery: None)
+    params = resolve_params(_spec(batch_size=None, schedule=None, epochs=3))
+    job, _ = store.create(model="cifar_net", dataset="fake", params=params.model_dump(), requested_device="auto")
+    on_gpu = DeviceChoices(device="cuda:0", batch_size=256, schedule="cosine", amp_dtype="bfloat16",
+                           grad_scaler=False, channels_last=True, cudnn_benchmark=True, data_on_device=True,
+                           staging_buffers=0)
+    store.redis.hset(keys.job(job.id), "device_choices", on_gpu.model_dump_json())
+    redelivered = store.get(job.id)
+
+    plan = plan_training(job.id, "cifar_net", params, small_fake(200), torch.device("cpu"), 3, 32, 32,
+                         earlier=redelivered.device_choices)
+    assert plan.device.batch_size == 256 and plan.device.schedule == "cosine"  # as the resume state ran
+    assert plan.device.device == "cpu" and plan.device.amp_dtype in (None, "bfloat16")  # this device's own
+    fresh = plan_training(job.id, "cifar_net", params, small_fake(200), torch.device("cpu"), 3, 32, 32)
+    assert fresh.device.batch_size == 128 and fresh.device.schedule == "constant"  # a first delivery decides

@@ -63,7 +63,7 @@ def run_train_job(job: Job, ctx: JobContext) -> JobOutcome:
     inputs = training_inputs(job, ctx.settings, ctx.catalog, ctx.store, ctx.paths, ctx.device.torch_device)
     ctx.set_classes(inputs.data.classes)
     plan = plan_training(job.id, job.model, inputs.params, inputs.data, inputs.device, inputs.channels,
-                         inputs.height, inputs.width)
+                         inputs.height, inputs.width, earlier=job.device_choices)
     ctx.record({"device_choices": plan.device.model_dump()})
     # model.pt is this delivery's until it finishes the job; resume states are per epoch and
     # recorded with the epoch's metrics (worker/job_context.py).
