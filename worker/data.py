@@ -141,21 +141,22 @@ def load_image_folder(root: Path, channels: int, height: int, width: int,
     folder.mkdir(parents=True, exist_ok=True)
     # Closed exactly once: here, or by the writer once it is handed over (a second close of the
     # number could close whatever another thread opened on it since).
-    lock: int | None = _exclusive(folder / f"{spec.name}.lock")
+    lock = _exclusive(folder / f"{spec.name}.lock")
+    held = True
     try:
         if cache.exists():  # decoded by another worker while this one waited
             os.close(lock)
-            lock = None
+            held = False
             return _read_cache(cache)
         for leftover in folder.glob(f".{cache.name}.*.tmp"):  # a killed writer's: no live one holds the lock
             leftover.unlink(missing_ok=True)
         tensors = _decode_folder(root, spec)
         stale = [p for p in [folder / f"{spec.name}.pt", *folder.glob(f"{spec.name}-t*.pt")] if p != cache]
         CacheWriter.start(cache, tensors, stale, lock, root)
-        lock = None  # the writer's now
+        held = False  # the writer's now
         return tensors
     finally:
-        if lock is not None:
+        if held:
             os.close(lock)
 
 
