@@ -139,20 +139,25 @@ def load_image_folder(root: Path, channels: int, height: int, width: int,
     if cache.exists():
         return _read_cache(cache)
     folder.mkdir(parents=True, exist_ok=True)
+    # Closed exactly once: here, or by the writer once it is handed over (a second close of the
+    # number could close whatever another thread opened on it since).
     lock = _exclusive(folder / f"{spec.name}.lock")
+    held = True
     try:
         if cache.exists():  # decoded by another worker while this one waited
             os.close(lock)
+            held = False
             return _read_cache(cache)
         for leftover in folder.glob(f".{cache.name}.*.tmp"):  # a killed writer's: no live one holds the lock
             leftover.unlink(missing_ok=True)
         tensors = _decode_folder(root, spec)
-    except BaseException:
-        os.close(lock)
-        raise
-    stale = [p for p in [folder / f"{spec.name}.pt", *folder.glob(f"{spec.name}-t*.pt")] if p != cache]
-    CacheWriter.start(cache, tensors, stale, lock, root)
-    return tensors
+        stale = [p for p in [folder / f"{spec.name}.pt", *folder.glob(f"{spec.name}-t*.pt")] if p != cache]
+        CacheWriter.start(cache, tensors, stale, lock, root)
+        held = False  # the writer's now
+        return tensors
+    finally:
+        if held:
+            os.close(lock)
 
 
 def _decode_folder(root: Path, spec: InputSpec) -> ImageTensors:

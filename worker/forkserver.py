@@ -49,9 +49,17 @@ def start() -> None:
 
 
 def _main_module() -> list[str]:
-    """The main module's name when it was run as one (`python -m app.cli`: each child imports it again
-    under that name). A script run by its path is left out: the server would not import it (it is
-    given no path to import it from), and its children import it as before."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    name = getattr(spec, "name", None)
-    return [name] if name and name != "__main__" and not name.endswith(".__main__") else []
+    """The module whose imports each child would otherwise import itself before its first task.
+
+    Run as a module (`python -m app.cli`, as `up` starts a worker): its name; each child runs it
+    again under that name, its imports already in place. Run by its path (the `torchyard` console
+    script, as a container starts a worker: `from app.cli import main`, then `main()`): each child
+    runs that script again, so the module its `main` comes from; the script itself cannot be
+    preloaded (multiprocessing's server is not given its path). Run from `-c`, or a script with a
+    `main` of its own: nothing."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name:
+        return [name] if name != "__main__" and not name.endswith(".__main__") else []
+    entry = getattr(getattr(main, "main", None), "__module__", None)
+    return [entry] if isinstance(entry, str) and entry not in ("__main__", "__mp_main__") else []

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -306,6 +308,29 @@ def test_two_workers_decode_a_set_once_and_a_killed_one_leaves_nothing(
     third = start_loader(root)
     out, err = third.communicate(timeout=120)
     assert out.strip() == digest and "decoding 120 files" in err
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads the kernel's lock table (Linux)")
+def test_a_cache_unreadable_after_the_wait_fails_with_its_own_error(
+        tmp_path: Path, start_loader: Callable[..., subprocess.Popen]) -> None:
+    """A worker that waited for the spec's lock, then cannot read the file it finds (not a torch
+    file), fails with that read's error: its lock's descriptor is closed once, not again after the
+    read (which raised EBADF over the real error, or closed what another thread had opened since)."""
+    root = tmp_path / "ds"
+    write_photo_set(root, per_class=2)
+    folder = tmp_path / ".ds.cache"
+    folder.mkdir()
+    holder = os.open(folder / "3x224x224.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # another worker, decoding the set
+    try:
+        waiter = start_loader(root)
+        assert waits_for_a_lock(waiter.pid)
+        (folder / "3x224x224-t2.pt").write_bytes(b"not a torch file")
+    finally:
+        os.close(holder)
+    _, err = waiter.communicate(timeout=60)
+    assert waiter.returncode == 1 and "UnpicklingError" in err, err[-2000:]
+    assert "Bad file descriptor" not in err and "During handling" not in err, err[-2000:]  # the one error
 
 
 def test_a_cache_half_written_by_a_killed_worker_is_never_read(
