@@ -6,6 +6,7 @@ device once and slice batches there: no DataLoader, no per-step decoding.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
@@ -145,7 +146,7 @@ def load_image_folder(root: Path, channels: int, height: int, width: int,
     held = True
     try:
         if cache.exists():  # decoded by another worker while this one waited
-            os.close(lock)
+            _release(lock)
             held = False
             return _read_cache(cache)
         for leftover in folder.glob(f".{cache.name}.*.tmp"):  # a killed writer's: no live one holds the lock
@@ -157,7 +158,7 @@ def load_image_folder(root: Path, channels: int, height: int, width: int,
         return tensors
     finally:
         if held:
-            os.close(lock)
+            _release(lock)
 
 
 def _decode_folder(root: Path, spec: InputSpec) -> ImageTensors:
@@ -217,7 +218,7 @@ class CacheWriter:
         except Exception:  # a full disk: the set is decoded again by the next job that needs it
             log.exception("could not write the decoded set's cache %s", cache)
         finally:
-            os.close(lock)  # releases the lock: a waiting worker now finds the file (or decodes)
+            _release(lock)  # releases the lock: a waiting worker now finds the file (or decodes)
 
 
 def _read_cache(path: Path) -> ImageTensors:
@@ -226,14 +227,43 @@ def _read_cache(path: Path) -> ImageTensors:
 
 
 def _exclusive(lock: Path) -> int:
-    """An open descriptor holding an exclusive lock on `lock`; closing it releases the lock."""
+    """An open descriptor holding an exclusive lock on `lock`; `_release` closes it and the lock."""
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
     except BaseException:
         os.close(fd)
         raise
+    with _held_guard:
+        _held_locks.add(fd)
     return fd
+
+
+def _release(fd: int) -> None:
+    with _held_guard:
+        _held_locks.discard(fd)
+        os.close(fd)
+
+
+# An flock belongs to the open file, so a process forked while a lock is held (a batch predict
+# job's DataLoader forks its decoders; the cache writer may still hold the lock of the set the
+# previous job decoded) would hold it too, until it exits, and a worker waiting for that spec
+# would wait for it. The child closes its copies at once; exec'd children never get them
+# (os.open's descriptors are not inheritable).
+_held_locks: set[int] = set()
+_held_guard = threading.Lock()
+
+
+def _close_held_locks_in_child() -> None:
+    for fd in _held_locks:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held_locks.clear()
+    _held_guard.release()
+
+
+os.register_at_fork(before=_held_guard.acquire, after_in_parent=_held_guard.release,
+                    after_in_child=_close_held_locks_in_child)
 
 
 # The `fake` set's "test split" for evaluations: the same class patterns, noise drawn from a seed

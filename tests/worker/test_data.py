@@ -382,3 +382,28 @@ def test_a_set_deleted_while_its_cache_is_written_leaves_no_cache(tmp_path: Path
     CacheWriter.wait()
     assert not (tmp_path / ".ds.cache").exists()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_process_forked_while_the_cache_is_written_does_not_hold_the_sets_lock(tmp_path: Path) -> None:
+    """A fork while the writer holds the spec's lock (a batch predict job's DataLoader forks its
+    decoders): once the file is in place the lock is free for another worker, child alive or not."""
+    root = tmp_path / "ds"
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True)
+        for i in range(100):
+            Image.new("RGB", (8, 8), (i, 2 * i, 255 - i)).save(root / label / f"{i}.png")
+    load_image_folder(root, 3, 512, 512)  # ~150 MB to write: the writer holds the lock meanwhile
+    child = os.fork()
+    if child == 0:  # a forked decoder: alive well past the write
+        time.sleep(30)
+        os._exit(0)
+    try:
+        CacheWriter.wait()
+        lock = tmp_path / ".ds.cache" / "3x512x512.lock"
+        probe = subprocess.run([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+                                "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", str(lock)],
+                               capture_output=True, text=True, timeout=30)
+        assert probe.returncode == 0, probe.stderr
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
