@@ -53,7 +53,7 @@ def _main_module() -> list[str]:
 
     Run as a module (`python -m app.cli`, as `up` starts a worker): its name; each child runs it
     again under that name, its imports already in place. Run by its path (the `torchyard` console
-    script, as a container starts a worker: `from app.cli import main`, then `main()`): each child
+    script, as a container starts a worker: it imports `main` from the CLI's module and calls it): each child
     runs that script again, so the module its `main` comes from; the script itself cannot be
     preloaded (multiprocessing's server is not given its path). Run from `-c`, or a script with a
     `main` of its own: nothing."""
