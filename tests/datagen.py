@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
+from worker.preprocess import image_to_array
+
 SHAPE_CLASSES = ("circle", "square", "triangle")
 SHAPE_COLOURS = {"circle": (220, 40, 40), "square": (40, 200, 60), "triangle": (50, 70, 230)}
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -141,3 +143,25 @@ def write_mnist(root: Path, folder: str = "MNIST", train: int = 300, test: int =
         (raw / f"{prefix}-images-idx3-ubyte").write_bytes(_idx(images))
         (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(_idx(labels))
     return raw
+
+
+def write_photo_set(root: Path, per_class: int, size: tuple[int, int] = (500, 375)) -> list[Path]:
+    """`<class>/<image>` of photo-like JPEGs, two classes; the files in the order a set lists them."""
+    files: list[Path] = []
+    for label in ("a", "b"):
+        (root / label).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            path = root / label / f"{i:04d}.jpg"
+            path.write_bytes(photo_jpeg(*size, seed=1000 * len(files) + i))
+            files.append(path)
+    return files
+
+
+def one_by_one(files: list[Path], channels: int, height: int, width: int,
+               resize_size: int | None = None) -> np.ndarray:
+    """What the set's rows must be: each readable file through the one transform, in order."""
+    arrays = []
+    for path in files:
+        with Image.open(path) as image:
+            arrays.append(image_to_array(image, channels, height, width, resize_size))
+    return np.stack(arrays)
