@@ -3,8 +3,9 @@
 It takes a batch the intake has decoded, stacks it into a host staging buffer, copies it to the
 device (pinned and asynchronous on a GPU, padded to a bucketed size there so cuDNN tunes a
 handful of shapes: worker/serving/batching.py), and runs the model's serving graph, a traced
-graph that holds no GIL while it runs (worker/forward_graph.py), on a high-priority CUDA stream
-of its own on a GPU, so a training job's kernels do not hold it back. The probabilities go to the
+graph that holds no GIL while it runs (worker/forward_graph.py), on the engine's high-priority
+CUDA stream on a GPU (worker/serving/stream.py, where a model's load, trace and warm-up go too),
+so a training job's kernels do not hold it back. The probabilities go to the
 replies stage on a pool thread, while this thread takes the next batch.
 
 An error here is classified like a training job's (worker/device_health.py): a sticky device
@@ -23,7 +24,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import torch
@@ -35,11 +35,11 @@ from worker.model_cache import ResidentModel
 from worker.serving.batching import BatchWindow, HostStaging, bucket_size, buckets
 from worker.serving.replies import PreparedGroup
 from worker.serving.stats import InferenceStats
+from worker.serving.stream import ServingStream
 
 log = logging.getLogger(__name__)
 
 DEVICE_POLL_S = 0.05  # how often an idle device thread looks whether a job started (it then leaves the cores)
-HIGH_PRIORITY = -1  # torch.cuda.Stream: lower is higher; out-of-range values clamp to the highest
 INLINE_REPLY_IMAGES = 4  # a batch this small is answered by the device thread itself when no batch waits
 
 
@@ -67,7 +67,7 @@ class DeviceLoop:
         self.idle.set()
         self.free_at = 0.0  # local epoch s: when the last batch finished
         self.cores_free = threading.Event()  # the device thread holds no OpenMP team
-        self._stream: Any = None
+        self.stream = ServingStream(device.kind, device.torch_device)  # a null context on a CPU
         self._staging: HostStaging | None = None
         self._threads = self._most_threads = 0  # this thread's torch threads now, and the most it used
         self.thread = self._new_thread()
@@ -78,8 +78,7 @@ class DeviceLoop:
     def start(self) -> None:
         if self.device.kind == "cpu":  # set first, so that the first heartbeat says it too
             self.stats.forward_threads = self.forward_threads.wanted(self.job_running())
-        if self.device.kind == "cuda":
-            self._stream = torch.cuda.Stream(priority=HIGH_PRIORITY)
+        self.stream.open()
         self.thread.start()
 
     def join(self, timeout: float | None) -> None:
@@ -110,17 +109,18 @@ class DeviceLoop:
 
     def warm(self, entry: ResidentModel) -> None:
         """Every batch shape this device will use, run once as the model loads (on the loading
-        thread), so that cuDNN picks its kernels then and not under traffic: on a GPU, the bucketed
-        sizes. A CPU runs every size from 1 to max_batch and has no per-shape tuning to hoist."""
+        thread, on the engine's stream), so that cuDNN picks its kernels then and not under traffic:
+        on a GPU, the bucketed sizes; waited for on that stream alone, never behind a training
+        step. A CPU runs every size from 1 to max_batch and has no per-shape tuning to hoist."""
         if self.device.kind != "cuda":
             return
         pre = entry.meta.preprocessing
         device = torch.device(self.device.torch_device)
-        with torch.inference_mode(), torch.jit.optimized_execution(False), torch.cuda.stream(self._stream):
+        with torch.inference_mode(), torch.jit.optimized_execution(False), self.stream():
             for size in buckets(self.max_batch):
                 entry.forward.run(torch.zeros((size, pre.channels, pre.height, pre.width), dtype=torch.uint8,
                                               device=device))
-        torch.cuda.synchronize(device)
+        self.stream.synchronize()
 
     # ------------------------------------------------------------------ the thread
     def _loop(self) -> None:
@@ -209,12 +209,8 @@ class DeviceLoop:
         assert self._staging is not None
         rows = bucket_size(len(arrays), self.max_batch) if self.pad_to_buckets else len(arrays)
         began = time.perf_counter()
-        with torch.inference_mode():
-            if self._stream is not None:
-                with torch.cuda.stream(self._stream):
-                    out = entry.forward.run(self._staging.upload(arrays, rows))[:len(arrays)].cpu()
-            else:
-                out = entry.forward.run(self._staging.upload(arrays, rows))[:len(arrays)]
+        with torch.inference_mode(), self.stream():  # on a CPU `.cpu()` is the tensor itself
+            out = entry.forward.run(self._staging.upload(arrays, rows))[:len(arrays)].cpu()
         self.window.note_forward(time.perf_counter() - began, len(arrays))
         self.stats.record(len(arrays))
         return out

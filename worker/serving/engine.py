@@ -268,11 +268,14 @@ class InferenceServer:
         return prepared if prepared.arrays else None
 
     def _resident(self, job_id: str) -> ResidentModel:
-        """The job's model on the device; one that was just loaded has its batch shapes run once."""
-        entry = self.cache.get(job_id)
-        if not entry.warmed:
-            self.device_loop.warm(entry)
-            entry.warmed = True
+        """The job's model on the device; one that was just loaded has its batch shapes run once.
+        All of it on the engine's stream: the checkpoint's copy onto the device, the trace and its
+        probe (worker/model_cache.py), the warm-up."""
+        with self.device_loop.stream():
+            entry = self.cache.get(job_id)
+            if not entry.warmed:
+                self.device_loop.warm(entry)
+                entry.warmed = True
         return entry
 
     def _answer(self, group: PreparedGroup, probabilities: torch.Tensor) -> None:
