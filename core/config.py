@@ -112,6 +112,12 @@ class Settings(BaseSettings):
         description="processes that decode /predict images, off the device thread. Unset: the cores this "
                     "worker may use. TORCHYARD_PREDICT_DECODE_THREADS, its former name, is still read; "
                     "the new name wins when both are set.")
+    predict_decode_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="How long a batch's images may take in the decoding processes once the batch is awaited: "
+                    "a process that has not finished its share by then is taken as stuck, killed, its pool "
+                    "replaced, and its images decoded again one at a time (an image that takes as long alone "
+                    "is refused with 415). It bounds how long one stuck decoder holds the device's /predict.")
     model_cache_count: int = Field(default=8, ge=1)
     model_cache_bytes: int = Field(default=2 * 1024**3, ge=1)
     predict_cpu_threads: int | None = Field(

@@ -122,6 +122,7 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
                                 max_batch=settings.predict_max_batch, max_wait_ms=settings.predict_max_wait_ms,
                                 max_pixels=settings.max_image_pixels, cpu_threads=settings.predict_cpu_threads,
                                 decode_processes=settings.predict_decode_processes,
+                                decode_timeout_s=settings.predict_decode_timeout_s,
                                 job_running=lambda: state.current_job is not None, health=health,
                                 on_broken=take_out_of_service)
 

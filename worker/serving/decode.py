@@ -10,16 +10,18 @@ the training evaluation transform.
 
 A small image is another matter: its decode costs less than sending it to a process and its
 array back, so `DecodeSplit` keeps such images on the intake thread alone.
+
+A decoding process that dies or stalls costs its chunk a second decode, one image at a time,
+never a request (worker/serving/decode_processes.py): `PendingDecode.result` always returns a
+row or a refusal for every image.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import numpy as np
 
 from worker.checkpoint import ModelMeta
-from worker.serving.decode_processes import Chunk, DecodeProcesses, Refused, Spec, decode_chunk, decode_one
+from worker.serving.decode_processes import Chunk, DecodeProcesses, Refused, Sent, Spec, decode_chunk, decode_one
 
 
 class BadImage(Exception):
@@ -79,12 +81,12 @@ class PendingDecode:
     """A batch's images on their way: decoded already (cheap images, on the intake thread), or in
     chunks over the decoding processes, collected in order by `result`."""
 
-    def __init__(self, decoder: Decoder, spec: Spec, parts: list[list[bytes]], futures: list[Future[Chunk]],
+    def __init__(self, decoder: Decoder, spec: Spec, parts: list[list[bytes]], sent: list[Sent],
                  done: list[Chunk] | None = None) -> None:
-        self.decoder, self.spec, self.parts, self.futures, self.done = decoder, spec, parts, futures, done
+        self.decoder, self.spec, self.parts, self.sent, self.done = decoder, spec, parts, sent, done
 
     def result(self) -> list[np.ndarray | BadImage]:
-        chunks = self.done if self.done is not None else self.decoder.processes.gather(self.parts, self.futures,
+        chunks = self.done if self.done is not None else self.decoder.processes.gather(self.parts, self.sent,
                                                                                        self.spec)
         decoded: list[np.ndarray | BadImage] = []
         for chunk in chunks:
@@ -100,10 +102,10 @@ class Decoder:
     contiguous chunk per decoding process, so the intake can take the next batch off the list
     while they decode (a lone image never leaves the intake)."""
 
-    def __init__(self, processes: int, max_pixels: int) -> None:
+    def __init__(self, processes: int, max_pixels: int, timeout_s: float | None = None) -> None:
         self.max_pixels = max_pixels
         self.split = DecodeSplit(processes)
-        self.processes = DecodeProcesses(processes, max_pixels)
+        self.processes = DecodeProcesses(processes, max_pixels, timeout_s)
 
     def start(self, data: list[bytes], meta: ModelMeta) -> PendingDecode:
         spec = spec_of(meta)

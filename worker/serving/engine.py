@@ -21,6 +21,12 @@ images cannot be decoded, and hands the rest to the device loop, which computes 
 batch meanwhile. So decoding, computing and taking requests overlap, and the batches a device
 computes are the batches the window formed, in order. Warm requests (an alias about to move)
 ride the same list and are answered once the model is resident.
+
+A request taken off the list is always answered: what cannot run is refused with its reason, a
+decoding process that dies or stalls costs its chunk a retry (worker/serving/decode_processes.py),
+and any other failure on the intake's path answers every request it had taken with a 503, never
+silence (its caller would wait out the API's timeout). A model is loaded, traced and warmed on the
+engine's stream (worker/serving/stream.py), as its batches are computed.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import numpy as np
 import redis
 import torch
 
+from core.config import Settings
 from core.logs import RedisOutageLog
 from core.wire import PredictReply, PredictRequest, WarmedModel, WarmRequest
 from worker.checkpoint import CheckpointError
@@ -59,6 +66,7 @@ POLL_S = 0.001  # the longest sleep between two polls of the list while a batch 
 POLL_MIN_S = 0.0002  # while a batch waits for the device, or while requests are arriving
 REPLY_THREADS = 2  # one answers a batch while the next one's answers may already be due
 DECODING_AHEAD = 2  # batches decoding while the device loop holds one: the processes stay busy
+DECODE_TIMEOUT_S: float = Settings.model_fields["predict_decode_timeout_s"].default
 
 
 @dataclass
@@ -74,7 +82,8 @@ class Decoding:
 class InferenceServer:
     def __init__(self, client: redis.Redis, device: WorkerDevice, cache: ModelCache, *, max_batch: int,
                  max_wait_ms: float, max_pixels: int, cpu_threads: int | None = None,
-                 decode_processes: int | None = None, pad_to_buckets: bool | None = None,
+                 decode_processes: int | None = None, decode_timeout_s: float = DECODE_TIMEOUT_S,
+                 pad_to_buckets: bool | None = None,
                  job_running: Callable[[], bool] | None = None, health: DeviceHealth | None = None,
                  on_broken: Callable[[str], None] = lambda reason: None) -> None:
         """`client` must not decode responses (requests are binary frames). A CPU device's forward
@@ -88,7 +97,7 @@ class InferenceServer:
         self.transport = Transport(client, device.id)
         self.stats = InferenceStats(cache.stats)
         self.window = BatchWindow(max_batch, max_wait_ms / 1000)
-        self.decoder = Decoder(decode_processes or usable_cores(), max_pixels)
+        self.decoder = Decoder(decode_processes or usable_cores(), max_pixels, decode_timeout_s)
         # Replies are sent from threads of their own while the device computes the next batch; torch
         # ops there (top-k) must not start an OpenMP team (worker/cpu_threads.py).
         self._replies = ThreadPoolExecutor(REPLY_THREADS, thread_name_prefix="torchyard-replies",
@@ -143,11 +152,13 @@ class InferenceServer:
         gc.freeze()
         pin_to_one_thread()  # it loads models: their copies must not make an OpenMP team here
         while not self._halt.is_set():
+            taken: list[PredictRequest] = []  # off the list, and not yet answered nor handed on
             try:
-                requests = self._collect()
+                self._collect(taken)
                 self._outage.answered()
-                if requests:
-                    batch = self._prepare(requests)
+                if taken:
+                    batch = self._prepare(taken)
+                    taken = []  # each one answered by `_prepare` or handed on in `batch`
                     if batch:
                         self._count_assembling(+1)
                         self._put(batch)
@@ -155,16 +166,29 @@ class InferenceServer:
                     self._serve_warms()
             except redis.RedisError as exc:  # one line when an outage starts, one when it ends
                 self._outage.unavailable(exc)
+                self._answer_lost(taken, f"Redis failed on {self.device.id}: {exc}")
                 self._halt.wait(0.5)
-            except Exception:
+            except Exception as exc:
                 log.exception("inference intake error")
+                self._answer_lost(taken, f"inference failed on {self.device.id}: {exc}")
 
-    def _collect(self) -> list[PredictRequest]:
-        """Block for a first request, then take what comes until the window says the batch is complete."""
-        requests: list[PredictRequest] = []
+    def _answer_lost(self, taken: list[PredictRequest], detail: str) -> None:
+        """The last resort of the intake: requests it took and can no longer serve get a 503 now
+        rather than their caller waiting out the timeout (unless Redis itself is what failed)."""
+        if not taken:
+            return
+        self.stats.failed()
+        try:
+            self.transport.send_errors(taken, 503, detail)
+        except Exception as exc:
+            log.warning("%d /predict requests could not be answered (%s); their callers time out", len(taken), exc)
+
+    def _collect(self, requests: list[PredictRequest]) -> None:
+        """Block for a first request, then take what comes until the window says the batch is
+        complete; each request is appended to `requests` as it is taken."""
         images = self.transport.decode(self.transport.take_first(self.max_batch), requests, self._warms)
         if not requests:
-            return []
+            return
         # Poll rather than BLPOP: an idle Redis wakes for blocking timeouts only every 1/hz (100 ms
         # by default), far coarser than a batching window of a few milliseconds. Each poll is a
         # Redis call for the worker and for Redis: at most one a millisecond while the list is
@@ -191,7 +215,6 @@ class InferenceServer:
             arriving = bool(arrived)
             images += self.transport.decode(arrived, requests, self._warms)
         self.window.observe(images)
-        return requests
 
     def _prepare(self, requests: list[PredictRequest]) -> list[Decoding]:
         """Group by model, start decoding each group's images, answer the requests that cannot run."""
@@ -212,8 +235,14 @@ class InferenceServer:
                 log.exception("loading the model of job %s failed", job_id)
                 self.transport.send_errors(group, 503, f"inference failed on {self.device.id}: {exc}")
                 continue
-            pending = self.decoder.start([request.image(i)[1] for request in group
-                                          for i in range(request.image_count)], entry.meta)
+            try:
+                pending = self.decoder.start([request.image(i)[1] for request in group
+                                              for i in range(request.image_count)], entry.meta)
+            except Exception as exc:
+                self.stats.failed()
+                log.exception("decoding the images of job %s failed", job_id)
+                self.transport.send_errors(group, 503, f"decoding failed on {self.device.id}: {exc}")
+                continue
             batch.append(Decoding(job_id, entry, group, pending))
         return batch
 

@@ -1,7 +1,11 @@
 """The transport stage: the device's request list in Redis, and the answers back to the API.
 
 Requests are binary frames (core/wire.PredictRequest), so the list is read by a client that does
-not decode responses; a request's images are sliced out of its frame, never base64-decoded.
+not decode responses; a request's images are sliced out of its frame, never base64-decoded. A
+message's kind is decided by its structure, never by a prefix a client controls: a frame begins
+with the request's body as the client sent it (a multipart preamble may hold any bytes, `warm `
+among them) and ends with the trailer only the API writes, so a message with that trailer is a
+prediction, and only one without it may be a warm request.
 Answers go to the inbox of the API process that asked, one RPUSH per inbox for a whole batch.
 
 The intake also keeps this process's estimate of Redis's clock (core/clock.RedisClock): the
@@ -53,7 +57,7 @@ class Transport:
         images = 0
         for item in raw:
             try:
-                if WarmRequest.is_warm(item):
+                if not PredictRequest.is_frame(item) and WarmRequest.is_warm(item):
                     warms.append(WarmRequest.decode(item))
                     continue
                 request = PredictRequest.decode(item)
