@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.datagen import SHAPE_CLASSES, bomb_zip, png, shapes_zip, symlink_zip, zip_of
-from tests.support import wait_for_job, wait_until
+from tests.support import hold_flock, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -84,15 +82,6 @@ def test_grayscale_architecture_on_colour_upload(stack: dict) -> None:
     assert (pre["channels"], pre["height"], pre["width"]) == (1, 50, 50) and len(pre["mean"]) == 1
 
 
-HOLDER = r"""
-import fcntl, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("held", flush=True)
-time.sleep(600)
-"""
-
-
 def test_a_job_waiting_for_a_stuck_decode_is_cancelled_through_the_api(stack: dict) -> None:
     """Another worker holds the set's decode lock and never lets go (stuck mid-decode; here a process
     that takes the flock and sleeps). The job that waits for it is cancelled through the API and ends
@@ -100,10 +89,8 @@ def test_a_job_waiting_for_a_stuck_decode_is_cancelled_through_the_api(stack: di
     client, procs, worker = stack["client"], stack["procs"], stack["worker"]
     ds = _upload(client, shapes_zip(per_class=6, seed=3, corrupt=None)).json()
     lock = stack["data_dir"] / "datasets" / f".{ds['id']}.cache" / "3x32x32.lock"  # cifar_net's spec
-    lock.parent.mkdir(parents=True)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    holder = hold_flock(lock)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         job = client.post("/jobs", json={"model": "cifar_net", "dataset": ds["id"], "epochs": 1}).json()
         waiting = f"waiting for another worker's decode of dataset {ds['id']} at 3x32x32"
         wait_until(lambda: waiting in procs.log(worker), timeout=120, what="the job to wait for the set's lock")

@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 
 from tests.datagen import one_by_one, write_photo_set
+from tests.support import hold_flock
 from worker.data import CacheWriter, DecodeWaitExpired, load_image_folder
 from worker.job_context import StopJob
 
@@ -70,25 +71,14 @@ def wait_for_line(stream: IO[str], text: str) -> None:
 WAITING = "waiting for another worker's decode"  # what a loader logs once it finds the spec's lock held
 
 
-HOLDER = r"""
-import fcntl, os, sys, time
-fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
-fcntl.flock(fd, fcntl.LOCK_EX)
-print("held", flush=True)
-time.sleep(600)
-"""
-
-
 @pytest.fixture
 def hold_lock() -> Iterator[Callable[[Path], subprocess.Popen]]:
     """Another worker that holds a spec's lock and never lets go (stuck mid-decode): a process that
-    takes the flock and sleeps. Killed at the end."""
+    takes the flock and sleeps (tests/support.hold_flock). Killed at the end."""
     started: list[subprocess.Popen] = []
 
     def hold(lock: Path) -> subprocess.Popen:
-        lock.parent.mkdir(parents=True, exist_ok=True)
-        started.append(subprocess.Popen([sys.executable, "-c", HOLDER, str(lock)], stdout=subprocess.PIPE, text=True))
-        assert started[-1].stdout is not None and started[-1].stdout.readline().strip() == "held"
+        started.append(hold_flock(lock))
         return started[-1]
 
     yield hold
