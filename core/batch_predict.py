@@ -21,7 +21,7 @@ from core.aliases import AliasStore
 from core.errors import Conflict, InvalidInput, NotFound
 from core.kinds import predict
 from core.kinds.predict import PredictSpec
-from core.lineage import record_dependent, trained_source
+from core.lineage import trained_source
 from core.schemas import Job, JobKind, JobStatus
 from core.storage import CheckpointPaths
 from core.submission import Submitter
@@ -53,9 +53,8 @@ class BatchPredictions(Submitter):
         params = predict.resolve(trained_id, spec, dataset)
         job, created = self.store.create(model=trained.model, dataset=dataset.id, params=params.model_dump(),
                                          requested_device=device, idempotency_key=idempotency_key,
-                                         kind=JobKind.predict, body_digest=digest)
-        if created:
-            record_dependent(self.store.redis, trained_id, job.id)  # its checkpoint stays while this runs
+                                         kind=JobKind.predict, body_digest=digest,
+                                         depends_on=trained_id)  # its checkpoint stays while this runs
         return job, created
 
     def results_file(self, job_id: str) -> tuple[Job, Path]:

@@ -94,6 +94,12 @@ class Settings(BaseSettings):
         default=True,
         description="Check cifar10's files against torchvision's md5 sums. Off only for re-packed or test copies.",
     )
+    decode_lock_wait_s: float = Field(
+        default=3600.0, gt=0,
+        description="How long a job waits for another worker that is decoding the same uploaded set at the same "
+                    "input size (it holds the set's lock) before the job fails saying so; cancelling the job ends "
+                    "the wait at once.",
+    )
 
     # --- inference -----------------------------------------------------------------------
     predict_timeout_s: float = Field(default=30.0, gt=0)

@@ -16,7 +16,7 @@ from core.datasets import DatasetRecord, builtin_classes
 from core.errors import InvalidInput, NotFound
 from core.kinds import evaluate
 from core.kinds.evaluate import EvaluateParams, EvaluateSpec
-from core.lineage import record_dependent, trained_source
+from core.lineage import trained_source
 from core.schemas import Evaluation, Job, JobKind
 from core.submission import Submitter, check_two_classes, unlabeled_message
 
@@ -44,10 +44,9 @@ class Evaluations(Submitter):
         job, created = self.store.create(model=trained.model, dataset=dataset.id,
                                          params=evaluate.resolve(job_id, spec).model_dump(),
                                          requested_device=device, idempotency_key=idempotency_key,
-                                         kind=JobKind.evaluate, body_digest=digest)
+                                         kind=JobKind.evaluate, body_digest=digest, depends_on=job_id)
         if created:
             self.store.redis.zadd(keys.job_evaluations(job_id), {job.id: time.time()})
-            record_dependent(self.store.redis, job_id, job.id)
         return self.view(job), created
 
     def get(self, job_id: str, evaluation_id: str) -> Evaluation:

@@ -27,7 +27,6 @@ from core import keys
 from core.errors import Conflict, InvalidInput, NotAvailableHere, NotFound, Unavailable
 from core.jobs import JobStore
 from core.kinds.export import ExportParams
-from core.lineage import record_dependent
 from core.schemas import ExportFormat, Job, JobKind, JobStatus
 from core.storage import CheckpointPaths
 
@@ -112,9 +111,8 @@ class ExportCatalog:
             params = ExportParams(source_job_id=source.id, format=fmt, checkpoint_sha256=sha)
             export, _ = self.store.create(model=source.model, dataset=source.dataset,
                                           params=params.model_dump(mode="json"), requested_device="auto",
-                                          kind=JobKind.export)
+                                          kind=JobKind.export, depends_on=source.id)  # the source stays while it is built
             self.redis.set(keys.export(sha, fmt.value), export.id)
-            record_dependent(self.redis, source.id, export.id)  # the source stays while it is built
             return export
         finally:
             self.redis.delete(lock)

@@ -1,11 +1,14 @@
 """Jobs that read another job's checkpoint when they run: a training job started `init_from` it,
-its evaluations, its batch predictions and its exports. While such a job is queued or running, the checkpoint it reads must stay
-(retention and DELETE /jobs/{id} ask `active_dependent` before removing a job's files).
+its evaluations, its batch predictions and its exports. While such a job is queued or running, the
+checkpoint it reads must stay (retention and DELETE /jobs/{id} ask `active_dependent` before
+removing a job's files, and the delete's own transaction checks again, core/jobs/listing.py).
+
+A dependent is recorded by the transaction that creates it (`JobStore.create(depends_on=...)`,
+core/jobs/intake.py): were it a second step, a crash between the two would leave a job whose
+source could be deleted under it.
 """
 
 from __future__ import annotations
-
-import redis
 
 from core import keys
 from core.errors import Conflict, InvalidInput
@@ -14,10 +17,6 @@ from core.schemas import Job, JobKind, JobStatus
 from core.storage import CheckpointPaths
 
 _ACTIVE = (JobStatus.queued.value, JobStatus.running.value)
-
-
-def record_dependent(client: redis.Redis, parent_id: str, child_id: str) -> None:
-    client.sadd(keys.job_dependents(parent_id), child_id)
 
 
 def active_dependent(store: JobStore, parent_id: str) -> str | None:

@@ -22,7 +22,6 @@ from core.errors import InvalidInput, NotFound
 from core.gangs import check_world_size
 from core.jobs import JobStore, body_digest
 from core.kinds.train import JobSpec, resolve_params
-from core.lineage import record_dependent
 from core.schemas import Device, Job, JobKind, JobStatus
 from core.storage import CheckpointPaths
 from models.pretrained import missing_message
@@ -66,9 +65,7 @@ class JobSubmission(Submitter):
         check_admission(job_shape(spec.model, dataset, params), self._eligible(device), self.settings)
         job, created = self.store.create(model=spec.model, dataset=dataset.id, params=params.model_dump(),
                                          requested_device=device, idempotency_key=idempotency_key, kind=spec.kind,
-                                         body_digest=digest)
-        if created and parent is not None:
-            record_dependent(self.store.redis, parent.id, job.id)
+                                         body_digest=digest, depends_on=parent.id if parent is not None else None)
         return job, created
 
     def _parent(self, spec: JobSpec) -> Job:

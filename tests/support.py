@@ -246,3 +246,21 @@ def pattern_zip() -> bytes:
             for k in range(2):
                 archive.writestr(f"c{label}/{k}.png", pattern_png(label))
     return buffer.getvalue()
+
+
+_LOCK_HOLDER = r"""
+import fcntl, os, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def hold_flock(lock: Path) -> subprocess.Popen:
+    """Another worker stuck while it holds a file lock (a decoded set's, worker/data.py): a process
+    that takes the exclusive flock on `lock` and sleeps. Returns once it holds it; the caller kills it."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    holder = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held", "the lock holder did not start"
+    return holder

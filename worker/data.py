@@ -12,6 +12,8 @@ import logging
 import os
 import shutil
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar, Literal
@@ -25,6 +27,7 @@ from core.datasets import BUILTIN_TORCHVISION, FAKE_CLASSES, FAKE_IMAGES, FAKE_P
 from core.storage import atomic_path
 from worker.cpu_threads import usable_cores
 from worker.dataset_decode import DecodeFailed, InputSpec, decode_files
+from worker.job_context import StopJob
 from worker.preprocess import TRANSFORM_VERSION, image_to_array
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,15 @@ log = logging.getLogger(__name__)
 
 class DatasetUnavailable(Exception):
     """The dataset's files are not where they must be (and may not be downloaded)."""
+
+
+class DecodeWaitExpired(DatasetUnavailable):
+    """Another worker held the set's lock for longer than this job waits (TORCHYARD_DECODE_LOCK_WAIT_S)."""
+
+
+# How often a job waiting for another worker's decode of its set tries the lock again, and asks
+# whether it must stop (cancelled, shutting down, its lease lost).
+LOCK_POLL_S = 0.2
 
 
 @dataclass
@@ -117,15 +129,20 @@ def _arrays_to_tensor(data: np.ndarray, channels: int, height: int, width: int,
 
 
 # ---------------------------------------------------------------------------- uploaded image folders
-def load_image_folder(root: Path, channels: int, height: int, width: int,
-                      resize_size: int | None = None) -> ImageTensors:
+def load_image_folder(root: Path, channels: int, height: int, width: int, resize_size: int | None = None, *,
+                      should_stop: Callable[[], str | None] | None = None,
+                      wait_limit_s: float | None = None) -> ImageTensors:
     """An extracted `<class>/<image>` folder at one input spec, decoded once by all the worker's cores
     (worker/dataset_decode.py) and cached beside it (`.<id>.cache/<spec>-t<transform>.pt`).
 
     Workers that need the same spec at the same time (two GPUs of one host) take an exclusive lock
     per spec: one decodes, the others wait and read its file; the kernel drops the lock with a
-    holder that dies. A cache written by an older transform (worker/preprocess.TRANSFORM_VERSION)
-    is not read: it is decoded again and the old file removed.
+    holder that dies. A waiter polls the lock (`LOCK_POLL_S`) rather than block in the kernel, so
+    that it asks `should_stop` meanwhile (a job cancelled while it waits raises `StopJob` and ends
+    at once) and gives up after `wait_limit_s` (`DecodeWaitExpired`, naming the lock): a holder that
+    is alive but stuck (frozen, its disk hung) never holds a job for ever. A cache written by an
+    older transform (worker/preprocess.TRANSFORM_VERSION) is not read: it is decoded again and the
+    old file removed.
 
     The job that decoded the set does not wait for its cache: it returns the decoded array itself
     (as a tensor, no copy) while a thread of its own (`CacheWriter`) writes the file, holding the
@@ -142,7 +159,7 @@ def load_image_folder(root: Path, channels: int, height: int, width: int,
     folder.mkdir(parents=True, exist_ok=True)
     # Closed exactly once: here, or by the writer once it is handed over (a second close of the
     # number could close whatever another thread opened on it since).
-    lock = _exclusive(folder / f"{spec.name}.lock")
+    lock = _exclusive(folder / f"{spec.name}.lock", f"dataset {root.name} at {spec.name}", should_stop, wait_limit_s)
     held = True
     try:
         if cache.exists():  # decoded by another worker while this one waited
@@ -226,11 +243,32 @@ def _read_cache(path: Path) -> ImageTensors:
     return ImageTensors(saved["images"], saved["labels"], list(saved["classes"]))
 
 
-def _exclusive(lock: Path) -> int:
-    """An open descriptor holding an exclusive lock on `lock`; `_release` closes it and the lock."""
+def _exclusive(lock: Path, what: str, should_stop: Callable[[], str | None] | None,
+               wait_limit_s: float | None) -> int:
+    """An open descriptor holding an exclusive lock on `lock`; `_release` closes it and the lock.
+    While another process holds it: tried again every LOCK_POLL_S, `should_stop` asked each time
+    (StopJob with its reason), DecodeWaitExpired past `wait_limit_s` (None: no limit)."""
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        deadline = None if wait_limit_s is None else time.monotonic() + wait_limit_s
+        waiting = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # held by another worker (or this one's cache writer): decoding it
+                pass
+            if not waiting:
+                waiting = True
+                log.info("waiting for another worker's decode of %s (lock %s)", what, lock)
+            if should_stop is not None and (reason := should_stop()) is not None:
+                raise StopJob(reason)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DecodeWaitExpired(
+                    f"waited {wait_limit_s:g} s for another worker to decode {what}, and it still holds the lock "
+                    f"({lock}): if that worker is stuck, stop it and submit again; a set that takes longer to "
+                    f"decode needs a larger TORCHYARD_DECODE_LOCK_WAIT_S")
+            time.sleep(LOCK_POLL_S)
     except BaseException:
         os.close(fd)
         raise
@@ -272,16 +310,19 @@ FAKE_TEST_SEED = 2_147_483_647
 
 
 def load_dataset(record: DatasetRecord, settings: Settings, channels: int, height: int, width: int, *,
-                 seed: int = 0, resize_size: int | None = None, split: Literal["train", "test"] = "train") -> ImageTensors:
+                 seed: int = 0, resize_size: int | None = None, split: Literal["train", "test"] = "train",
+                 should_stop: Callable[[], str | None] | None = None) -> ImageTensors:
     """A dataset's images at the model's input. split="test": torchvision's test split of a built-in,
-    fresh noise for `fake`; an upload has one split, all of its images (`evaluation_split`)."""
+    fresh noise for `fake`; an upload has one split, all of its images (`evaluation_split`). A job
+    passes its stop check: it is asked while the job waits for another worker's decode of the set."""
     if record.kind == "fake":
         return load_fake(channels, height, width, seed=FAKE_TEST_SEED if split == "test" else seed)
     if record.kind == "torchvision":
         return load_torchvision(record.id, settings.builtin_data_dir, channels, height, width,
                                 download=settings.allow_download, verify_checksums=settings.verify_builtin_checksums,
                                 train=split == "train", resize_size=resize_size)
-    return load_image_folder(settings.datasets_dir / record.id, channels, height, width, resize_size)
+    return load_image_folder(settings.datasets_dir / record.id, channels, height, width, resize_size,
+                             should_stop=should_stop, wait_limit_s=settings.decode_lock_wait_s)
 
 
 def evaluation_split(record: DatasetRecord) -> Literal["test", "all"]:

@@ -117,6 +117,11 @@ class DeviceHealth:
             self._mark_broken(reason)
         return self._broken
 
+    def taken_out_of_service(self, reason: str) -> None:
+        """Out of service for a reason other than an error of the device itself (its record was
+        taken over by another worker instance, worker/heartbeat.py): the same course, requeue and exit."""
+        self._mark_broken(reason)
+
     def probe_ok(self) -> None:
         with self._lock:
             self._probe_failures = 0

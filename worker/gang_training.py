@@ -62,7 +62,8 @@ def _train(job: Job, rank: Rank) -> JobOutcome | None:
         ctx.record({"ranks": ranks, "message": f"running on {rank.world_size} devices: {devices} (attempt {job.attempts})"},
                    ("gang", {"attempt": rank.seat.attempt, "ranks": ranks}))
 
-    inputs = training_inputs(job, settings, runner.catalog, runner.store, runner.paths, runner.device.torch_device)
+    inputs = training_inputs(job, settings, runner.catalog, runner.store, runner.paths, runner.device.torch_device,
+                             rank.should_stop)
     # Rank 0 keeps the batch and schedule an earlier attempt ran (an elastic resume on other devices);
     # the others take rank 0's below.
     plan = plan_training(job.id, job.model, inputs.params, inputs.data, inputs.device, inputs.channels,

@@ -150,7 +150,7 @@ class Heartbeat(threading.Thread):
         if job and token and self.state.leased and not self.store.renew_lease(job, token):
             self.state.lease_lost_by(token)
         if not self.registry.publish(self.device.id, self.instance, self.snapshot()):
-            log.error("device %s is now held by another worker instance", self.device.id)
+            self._taken_over()
         done = time.monotonic()
         if self._last_ok is None or done - self._last_ok > self.interval_s + self.stall_s or done - started > self.stall_s:
             self._healthy_since = done  # Redis (or this process) was away or stalled: start counting again
@@ -159,6 +159,22 @@ class Heartbeat(threading.Thread):
             self.sweeper.maybe_sweep(done - self._healthy_since)
         if self.gangs is not None and not self.health.broken:
             self.gangs.run_once()  # data-parallel jobs whose devices are free now (core/gang_scheduler.py)
+
+    def _taken_over(self) -> None:
+        """Another worker instance holds this device now: this one's alive key lapsed (the process
+        was frozen or stalled past the TTL) and a process started for the same device took it. Two
+        processes must not serve one device, and the newer one is the registry's: this one goes out
+        of service (no sweep, no gang scheduling from it; the job in hand requeued at its next step;
+        the consumer stopped; exit EXIT_OUT_OF_SERVICE, for its supervisor to decide)."""
+        if self.health.broken is not None:
+            return  # told once; the worker is on its way out
+        holder = self.registry.state(self.device.id) or {}
+        reason = (f"device {self.device.id} was taken over by another worker instance "
+                  f"({holder.get('worker', 'unknown')}, pid {holder.get('pid', '?')}) while this one (pid {os.getpid()}) "
+                  f"did not renew its heartbeat for longer than its TTL")
+        log.error("%s; this worker stops taking jobs and exits", reason)
+        self.health.taken_out_of_service(reason)
+        self.take_out_of_service(reason)
 
     def run(self) -> None:
         while not self._halt.is_set():

@@ -131,10 +131,17 @@ class Score:
 
 
 class EarlyStopping:
-    """Tracks the best validation epoch by `monitor` and stops after `patience` epochs without a
-    better one (0: never stops early). val_accuracy: higher is better, a tie goes to the lower
-    val_loss (on a small validation split accuracy moves in coarse steps, and a plateau at 100 %
-    would otherwise pin the best epoch to the first that reached it); val_loss: lower is better."""
+    """Tracks the best validation epoch by `monitor` and stops after `patience` epochs without an
+    improvement (0: never stops early).
+
+    Two questions, answered apart. Which epoch's weights to keep (`best`): val_accuracy, higher is
+    better and a tie goes to the lower val_loss (on a small validation split accuracy moves in
+    coarse steps, and a plateau at 100 % would otherwise pin the best epoch to the first that
+    reached it); val_loss, lower is better. Whether the run still improves (patience): only a
+    strictly better `monitor` counts. The tie-break chooses weights but never resets patience: once
+    validation accuracy saturates, val_loss keeps falling a little almost every epoch (the net grows
+    more confident), and counting that kept a long job on `fake` running for ever after it reached
+    100 % (docs/training.md)."""
 
     def __init__(self, monitor: str, patience: int) -> None:
         self.monitor = monitor
@@ -143,21 +150,28 @@ class EarlyStopping:
         self.best: Score | None = None
         self.epochs_without_improvement = 0
 
-    def better(self, score: Score) -> bool:
+    def improves(self, score: Score) -> bool:
+        """Does `score` beat every epoch so far on the monitor itself (what patience counts)?"""
         if self.best is None or math.isnan(self.best.loss):
             return True
         if self.monitor == "val_loss":
             return score.loss < self.best.loss
-        return score.accuracy > self.best.accuracy or (score.accuracy == self.best.accuracy
-                                                        and score.loss < self.best.loss)
+        return score.accuracy > self.best.accuracy  # best.accuracy is the highest seen: ties only lower the loss
+
+    def better(self, score: Score) -> bool:
+        """Are `score`'s weights the ones to keep: an improvement, or the same accuracy at a lower loss?"""
+        if self.improves(score):
+            return True
+        assert self.best is not None
+        return self.monitor == "val_accuracy" and score.accuracy == self.best.accuracy and score.loss < self.best.loss
 
     def update(self, epoch: int, score: Score) -> bool:
-        """Record an epoch's validation; True when it is the new best."""
-        if self.better(score):
-            self.best_epoch, self.best, self.epochs_without_improvement = epoch, score, 0
-            return True
-        self.epochs_without_improvement += 1
-        return False
+        """Record an epoch's validation; True when its weights are the new best."""
+        improved, better = self.improves(score), self.better(score)
+        self.epochs_without_improvement = 0 if improved else self.epochs_without_improvement + 1
+        if better:
+            self.best_epoch, self.best = epoch, score
+        return better
 
     @property
     def should_stop(self) -> bool:

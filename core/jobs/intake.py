@@ -1,6 +1,6 @@
-"""What a user's request does to the job store: create a job (its record, its dispatch intent and
-its Idempotency-Key in one transaction, the message after it), answer a retry of that request,
-and cancel a job.
+"""What a user's request does to the job store: create a job (its record, its dispatch intent, its
+Idempotency-Key and its place among the dependents of the job whose checkpoint it reads, in one
+transaction; the message after it), answer a retry of that request, and cancel a job.
 
 The Idempotency-Key lives here because it is part of creating: it is written with the record and
 bound to a digest of the resolved request, so the same request again returns the first job and
@@ -58,12 +58,16 @@ class Intake(JobStoreBase):
 
     def create(self, *, model: str, dataset: str, params: dict[str, Any], requested_device: str,
                idempotency_key: str | None = None, kind: JobKind = JobKind.train,
-               body_digest: str | None = None) -> tuple[Job, bool]:
+               body_digest: str | None = None, depends_on: str | None = None) -> tuple[Job, bool]:
         """Record a queued job and dispatch it. Returns (job, created); a repeated key returns the first.
 
-        One transaction writes the record, its indexes, its first event, the dispatch intent
-        and the Idempotency-Key (with `body_digest`, the request as sent: `replay` answers a
-        retry of it before anything is validated again): a crash can leave all of them or none."""
+        One transaction writes the record, its indexes, its first event, the dispatch intent,
+        the Idempotency-Key (with `body_digest`, the request as sent: `replay` answers a retry of
+        it before anything is validated again) and, for a job that will read another's checkpoint
+        (`depends_on`: init_from, an evaluation, a batch prediction, an export), the job among that
+        one's dependents (core/lineage.py): a crash can leave all of them or none, so a job never
+        exists whose source a delete does not know it needs. The source is watched, and a source
+        deleted since the caller checked it is refused here (NotFound), not given a dependent."""
         if idempotency_key is not None and len(idempotency_key) > MAX_IDEMPOTENCY_KEY:
             raise InvalidInput(f"Idempotency-Key is longer than {MAX_IDEMPOTENCY_KEY} characters")
         idem_key = keys.idempotency(idempotency_key) if idempotency_key else None
@@ -78,6 +82,8 @@ class Intake(JobStoreBase):
             "message": f"waiting for a worker on queue {queue}",
         }
         earlier: list[str] = []
+        source = keys.job(depends_on) if depends_on else None
+        watched = [key for key in (idem_key, source) if key]
 
         def txn(pipe: redis.client.Pipeline) -> None:
             earlier.clear()
@@ -92,7 +98,9 @@ class Intake(JobStoreBase):
                                 f"(job {first_id}); send the same body to get that job, or use a new key")
                         earlier.append(first_id)
                         return
-            now = seconds_from_time_reply(pipe.time()) if idem_key else redis_now(self.redis)
+            if source and not pipe.exists(source):
+                raise NotFound(f"job {depends_on} was deleted while this request was checked; nothing was created")
+            now = seconds_from_time_reply(pipe.time()) if watched else redis_now(self.redis)
             pipe.multi()
             pipe.hset(keys.job(job_id), mapping=record)
             pipe.zadd(keys.JOBS_INDEX, {job_id: 0})
@@ -101,10 +109,12 @@ class Intake(JobStoreBase):
             if idem_key:
                 pipe.set(idem_key, json.dumps({"job": job_id, "request": fingerprint, "body": body_digest}),
                          ex=IDEMPOTENCY_TTL_S)
+            if depends_on:
+                pipe.sadd(keys.job_dependents(depends_on), job_id)
             self._event(pipe, job_id, "status", {"status": "queued", "attempts": 0})
 
-        if idem_key:
-            self.redis.transaction(txn, idem_key)
+        if watched:
+            self.redis.transaction(txn, *watched)
         else:
             pipe = self.redis.pipeline(transaction=True)
             txn(pipe)

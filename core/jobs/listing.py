@@ -18,6 +18,9 @@ from core.jobs.records import JobStoreBase, decode_record, job_id_floor
 from core.schemas import Job, JobList, JobStatus
 from core.storage import validate_id
 
+# The statuses of a dependent that will still read its source's checkpoint (core/lineage.py).
+_READS_A_CHECKPOINT = (JobStatus.queued.value, JobStatus.running.value)
+
 
 class Listing(JobStoreBase):
     """The job store's reads of many jobs, and its removal of finished ones."""
@@ -101,6 +104,12 @@ class Listing(JobStoreBase):
             # happened before the WATCH.
             if job_id in pipe.hvals(keys.ALIASES):
                 raise Conflict(f"job {job_id} is the target of an alias; move the alias first")
+            # Likewise a job created since that reads this one's checkpoint (it joins the dependents
+            # in its own creating transaction, core/jobs/intake.py): the WATCH on the set, and this.
+            for child in sorted(pipe.smembers(keys.job_dependents(job_id))):
+                if pipe.hget(keys.job(child), "status") in _READS_A_CHECKPOINT:
+                    raise Conflict(f"job {child} (queued or running) still needs the checkpoint of job {job_id}; "
+                                   f"wait for it or cancel it")
             pipe.multi()
             pipe.delete(key, keys.job_events(job_id), keys.job_dependents(job_id))
             pipe.zrem(keys.JOBS_INDEX, job_id)
@@ -112,5 +121,5 @@ class Listing(JobStoreBase):
             found.append(job)
 
         validate_id(job_id, "job id")
-        self.redis.transaction(txn, key, keys.ALIASES)
+        self.redis.transaction(txn, key, keys.ALIASES, keys.job_dependents(job_id))
         return found[0]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.datagen import SHAPE_CLASSES, bomb_zip, png, shapes_zip, symlink_zip, zip_of
-from tests.support import wait_for_job, wait_until
+from tests.support import hold_flock, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -80,6 +80,30 @@ def test_grayscale_architecture_on_colour_upload(stack: dict) -> None:
                       map_location="cpu", weights_only=True)["meta"]
     pre = meta["preprocessing"]
     assert (pre["channels"], pre["height"], pre["width"]) == (1, 50, 50) and len(pre["mean"]) == 1
+
+
+def test_a_job_waiting_for_a_stuck_decode_is_cancelled_through_the_api(stack: dict) -> None:
+    """Another worker holds the set's decode lock and never lets go (stuck mid-decode; here a process
+    that takes the flock and sleeps). The job that waits for it is cancelled through the API and ends
+    `cancelled` while the lock is still held; the worker then takes the next job on that set."""
+    client, procs, worker = stack["client"], stack["procs"], stack["worker"]
+    ds = _upload(client, shapes_zip(per_class=6, seed=3, corrupt=None)).json()
+    lock = stack["data_dir"] / "datasets" / f".{ds['id']}.cache" / "3x32x32.lock"  # cifar_net's spec
+    holder = hold_flock(lock)
+    try:
+        job = client.post("/jobs", json={"model": "cifar_net", "dataset": ds["id"], "epochs": 1}).json()
+        waiting = f"waiting for another worker's decode of dataset {ds['id']} at 3x32x32"
+        wait_until(lambda: waiting in procs.log(worker), timeout=120, what="the job to wait for the set's lock")
+        assert client.get(f"/jobs/{job['id']}").json()["status"] == "running"
+        assert client.post(f"/jobs/{job['id']}/cancel").status_code == 202
+        stopped = wait_for_job(client, job["id"], {"cancelled", "succeeded", "failed"}, timeout=60)
+        assert stopped["status"] == "cancelled" and stopped["metrics"] == [] and stopped["checkpoint"] is None
+        assert holder.poll() is None  # still held: the job did not wait for its release
+    finally:
+        holder.kill()
+        holder.communicate()
+    after = client.post("/jobs", json={"model": "cifar_net", "dataset": ds["id"], "epochs": 1}).json()
+    assert wait_for_job(client, after["id"], {"succeeded", "failed"})["status"] == "succeeded"
 
 
 def test_unsafe_and_unusable_zips_are_refused(stack: dict) -> None:

@@ -17,9 +17,13 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
-from tests.support import REPO, Processes, free_port, wait_for_job, wait_until
+from core import keys
+from core.devices import instance_pid
+from tests.support import REPO, Processes, free_port, job_events, wait_for_job, wait_until
 from worker.device import PINNED_MARKER
+from worker.main import EXIT_OUT_OF_SERVICE
 
 pytestmark = pytest.mark.e2e
 
@@ -154,6 +158,66 @@ def test_two_workers_routing_lock_offline_and_back(clean_redis_url: str, tmp_pat
         wait_until(lambda: device_is(client, A, "idle", pid=restarted.pid), timeout=30, what="hosta back, idle")
         assert "already held" not in procs.log(restarted)
     finally:
+        client.close()
+        procs.stop_all()
+
+
+def test_a_worker_frozen_past_its_ttl_whose_device_was_taken_over_stops_taking_jobs(clean_redis_url: str,
+                                                                                    tmp_path: Path) -> None:
+    """A worker frozen (SIGSTOP) mid-job past its heartbeat's TTL (not its job's lease) loses its
+    alive key; a second process started for the same device takes it. Woken (SIGCONT), the first
+    notices at its next beat that the device is another's: it gives its job back, stops consuming
+    and exits with the out-of-service status for its supervisor, instead of going on as a ghost
+    beside its successor, whose record it leaves alone. The successor resumes that job, and runs
+    the next one."""
+    procs = Processes(clean_redis_url, tmp_path / "data", tmp_path / "logs", TORCHYARD_LEASE_TTL_S="60")
+    port = free_port()
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+    redis_client = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+
+    def claimed_by(job_id: str) -> int | None:
+        return instance_pid(redis_client.hget(keys.job(job_id), "claimed_by") or "")
+
+    try:
+        first = procs.worker("cpu", name="worker-first", TORCHYARD_NODE_NAME="hosta")
+        procs.api(port)
+        wait_until(lambda: device_is(client, A, "idle", pid=first.pid), timeout=90, what="the first worker idle")
+        long = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 500, "patience": 0,
+                                          "device": A}).json()
+        wait_until(lambda: client.get(f"/jobs/{long['id']}").json()["progress"]["step"] > 0, timeout=90,
+                   what="the job training on the first worker")
+        first.send_signal(signal.SIGSTOP)
+        wait_until(lambda: device_is(client, A, "offline"), timeout=30, what="the frozen worker's key to lapse")
+        second = procs.worker("cpu", name="worker-second", TORCHYARD_NODE_NAME="hosta")
+        wait_until(lambda: device_is(client, A, "idle", pid=second.pid), timeout=90, what="the second worker idle")
+        assert client.get(f"/jobs/{long['id']}").json()["status"] == "running"  # still the frozen one's lease
+        first.send_signal(signal.SIGCONT)
+
+        assert first.wait(60) == EXIT_OUT_OF_SERVICE
+        log = procs.log(first)
+        taken = f"device {A} was taken over by another worker instance (cpu@hosta, pid {second.pid})"
+        assert taken in log, log
+        assert "already held" not in procs.log(second) and second.poll() is None
+
+        resumed = wait_until(lambda: (j := client.get(f"/jobs/{long['id']}").json())["status"] == "running"
+                             and claimed_by(long["id"]) == second.pid and j, timeout=60,
+                             what="the job given back and running on the second worker")
+        assert resumed["attempts"] == 2
+        assert client.post(f"/jobs/{long['id']}/cancel").status_code == 202
+        assert wait_for_job(client, long["id"], {"cancelled", "failed"}, timeout=60)["status"] == "cancelled"
+        given_back = [data["reason"] for kind, data in job_events(client, long["id"])
+                      if kind == "status" and data.get("status") == "queued" and data.get("reason")]
+        assert given_back == [f"device {A} went out of service ({taken} while this one (pid {first.pid}) did not "
+                              f"renew its heartbeat for longer than its TTL)"], given_back
+
+        job = succeeded(client, submit(client, A)["id"])
+        assert job["attempts"] == 1 and claimed_by(job["id"]) == second.pid
+        # The first's exit left its successor's record alone (a release only by the holding instance).
+        wait_until(lambda: device_is(client, A, "idle", pid=second.pid), timeout=30, what="the second worker idle")
+    finally:
+        if first.poll() is None:
+            first.send_signal(signal.SIGCONT)
+        redis_client.close()
         client.close()
         procs.stop_all()
 

@@ -112,6 +112,26 @@ def test_cancel_running_queued_and_finished(stack: dict) -> None:
     assert client.post("/jobs/doesnotexist/cancel").status_code == 404
 
 
+def test_a_long_job_stops_by_patience_once_validation_accuracy_saturates(stack: dict) -> None:
+    """What a new user tries: many epochs on `fake` with the default early stopping. Validation
+    accuracy reaches 1.0 within a few epochs while val_loss goes on falling; the job stops 5 epochs
+    after its last higher accuracy (the lower loss picks the kept weights, it is no improvement)."""
+    client = stack["client"]
+    epochs = 40
+    job = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": epochs}).json()
+    done = wait_for_job(client, job["id"], {"succeeded", "failed"}, timeout=600)
+    assert done["status"] == "succeeded", done["error"]
+    accuracies = [m["val_accuracy"] for m in done["metrics"]]
+    last_gain = max(epoch for epoch in range(1, len(accuracies) + 1)
+                    if epoch == 1 or accuracies[epoch - 1] > max(accuracies[:epoch - 1]))
+    assert len(accuracies) == last_gain + 5 < epochs, accuracies
+    best = done["best_epoch"]
+    assert accuracies[best - 1] == max(accuracies) and done["evaluation"]["epoch"] == best
+    assert done["stop_reason"] == (f"early stopping: val_accuracy did not improve for 5 epochs (patience 5); "
+                                   f"best {max(accuracies):.4f} at epoch {best}")
+    assert "early_stop" in _events(client, job["id"])
+
+
 def test_idempotency_validation_and_listing(stack: dict) -> None:
     client = stack["client"]
     spec = {"model": "cifar_net", "dataset": "fake", "epochs": 1, "learning_rate": 0.002, "optimizer": "sgd"}

@@ -23,7 +23,9 @@ import torch
 from PIL import Image
 
 from tests.datagen import one_by_one, write_photo_set
-from worker.data import CacheWriter, load_image_folder
+from tests.support import hold_flock
+from worker.data import CacheWriter, DecodeWaitExpired, load_image_folder
+from worker.job_context import StopJob
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,15 +68,23 @@ def wait_for_line(stream: IO[str], text: str) -> None:
     raise AssertionError(f"the process ended without logging {text!r}")
 
 
-def waits_for_a_lock(pid: int, timeout: float = 60) -> bool:
-    """True once `pid` is blocked on a file lock (a `->` entry of /proc/locks: a waiter)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if any(line.split()[1] == "->" and line.split()[5] == str(pid) for line in Path("/proc/locks").read_text()
-               .splitlines() if len(line.split()) > 5):
-            return True
-        time.sleep(0.05)
-    return False
+WAITING = "waiting for another worker's decode"  # what a loader logs once it finds the spec's lock held
+
+
+@pytest.fixture
+def hold_lock() -> Iterator[Callable[[Path], subprocess.Popen]]:
+    """Another worker that holds a spec's lock and never lets go (stuck mid-decode): a process that
+    takes the flock and sleeps (tests/support.hold_flock). Killed at the end."""
+    started: list[subprocess.Popen] = []
+
+    def hold(lock: Path) -> subprocess.Popen:
+        started.append(hold_flock(lock))
+        return started[-1]
+
+    yield hold
+    for process in started:
+        process.kill()
+        process.communicate()
 
 
 def decoding_processes(pid: int, timeout: float = 30) -> list[psutil.Process]:
@@ -88,7 +98,6 @@ def decoding_processes(pid: int, timeout: float = 30) -> list[psutil.Process]:
     raise AssertionError("the decode pool did not start")
 
 
-@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads the kernel's lock table (Linux)")
 def test_two_workers_decode_a_set_once_and_a_killed_one_leaves_nothing(
         tmp_path: Path, start_loader: Callable[..., subprocess.Popen]) -> None:
     """Two first jobs on the same set and spec: the second waits for the first and reads its file
@@ -103,7 +112,7 @@ def test_two_workers_decode_a_set_once_and_a_killed_one_leaves_nothing(
     wait_for_line(first.stderr, "decoding 120 files")
     first.send_signal(signal.SIGSTOP)  # holding the lock, its cache not written
     second = start_loader(root)
-    assert waits_for_a_lock(second.pid)
+    wait_for_line(second.stderr, WAITING)
     first.send_signal(signal.SIGCONT)
     outputs = [process.communicate(timeout=120) for process in (first, second)]
     assert [out.strip() for out, _ in outputs] == [digest, digest]
@@ -124,7 +133,6 @@ def test_two_workers_decode_a_set_once_and_a_killed_one_leaves_nothing(
     assert out.strip() == digest and "decoding 120 files" in err
 
 
-@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads the kernel's lock table (Linux)")
 def test_a_cache_unreadable_after_the_wait_fails_with_its_own_error(
         tmp_path: Path, start_loader: Callable[..., subprocess.Popen]) -> None:
     """A worker that waited for the spec's lock, then cannot read the file it finds (not a torch
@@ -138,13 +146,40 @@ def test_a_cache_unreadable_after_the_wait_fails_with_its_own_error(
     fcntl.flock(holder, fcntl.LOCK_EX)  # another worker, decoding the set
     try:
         waiter = start_loader(root)
-        assert waits_for_a_lock(waiter.pid)
+        wait_for_line(waiter.stderr, WAITING)
         (folder / "3x224x224-t2.pt").write_bytes(b"not a torch file")
     finally:
         os.close(holder)
     _, err = waiter.communicate(timeout=60)
     assert waiter.returncode == 1 and "UnpicklingError" in err, err[-2000:]
     assert "Bad file descriptor" not in err and "During handling" not in err, err[-2000:]  # the one error
+
+
+def test_a_job_waiting_behind_a_stuck_decode_stops_when_told_and_gives_up_past_its_limit(
+        tmp_path: Path, hold_lock: Callable[[Path], subprocess.Popen]) -> None:
+    """Another process holds the spec's lock and never releases it. The waiting job asks its stop
+    check while it waits and leaves with that reason (cancelled: StopJob, the runner ends the job
+    `cancelled`); without a stop, it fails past its limit naming the lock, and never decodes."""
+    root = tmp_path / "ds"
+    write_photo_set(root, per_class=2)
+    lock = tmp_path / ".ds.cache" / "3x224x224.lock"
+    holder = hold_lock(lock)
+    asked: list[float] = []
+
+    def cancelled_on_the_third_look() -> str | None:
+        asked.append(time.monotonic())
+        return "cancelled" if len(asked) >= 3 else None
+
+    with pytest.raises(StopJob) as stopped:
+        load_image_folder(root, 3, 224, 224, should_stop=cancelled_on_the_third_look, wait_limit_s=600)
+    assert stopped.value.reason == "cancelled" and len(asked) == 3
+    with pytest.raises(DecodeWaitExpired, match=r"waited 0\.5 s for another worker to decode dataset ds at 3x224x224") as expired:
+        load_image_folder(root, 3, 224, 224, should_stop=lambda: None, wait_limit_s=0.5)
+    assert str(lock) in str(expired.value) and "TORCHYARD_DECODE_LOCK_WAIT_S" in str(expired.value)
+    assert holder.poll() is None  # the lock was never released: both left while it was held
+    assert not list(lock.parent.glob("*.pt")) and not list(lock.parent.glob("*.tmp"))  # nothing decoded
+    open_files = {Path(f.path) for f in psutil.Process().open_files()}
+    assert lock not in open_files  # each wait closed its descriptor
 
 
 def test_a_cache_half_written_by_a_killed_worker_is_never_read(

@@ -217,12 +217,34 @@ def test_out_of_memory_that_never_passes_fails_the_job(tmp_path: Path, gpu_memor
 def test_early_stopping_judges_by_the_monitor() -> None:
     by_accuracy = EarlyStopping("val_accuracy", patience=2)
     assert by_accuracy.update(1, Score(0.5, 1.0)) and by_accuracy.update(2, Score(0.5, 0.9))  # tie: lower loss
-    assert not by_accuracy.update(3, Score(0.4, 0.5)) and not by_accuracy.should_stop
-    assert not by_accuracy.update(4, Score(0.5, 0.95)) and by_accuracy.should_stop
-    assert by_accuracy.best_epoch == 2 and "did not improve for 2 epochs" in by_accuracy.reason()
+    assert not by_accuracy.should_stop  # the tie's weights are kept, but it counts as no improvement
+    assert by_accuracy.update(3, Score(0.6, 0.95)) and by_accuracy.epochs_without_improvement == 0
+    assert not by_accuracy.update(4, Score(0.4, 0.5)) and not by_accuracy.should_stop
+    assert not by_accuracy.update(5, Score(0.6, 0.97)) and by_accuracy.should_stop
+    assert by_accuracy.best_epoch == 3 and "did not improve for 2 epochs" in by_accuracy.reason()
     by_loss = EarlyStopping("val_loss", patience=0)
     assert by_loss.update(1, Score(0.1, 1.0)) and by_loss.update(2, Score(0.0, 0.5))
     assert not by_loss.update(3, Score(0.9, 0.6)) and not by_loss.should_stop  # 0: never stops
+
+
+def test_a_saturated_accuracy_stops_by_patience_while_the_tie_break_still_picks_the_weights() -> None:
+    """Validation accuracy at 1.0 while val_loss keeps falling (a net that grows more confident): the
+    lower loss picks the kept epoch, but only a higher accuracy resets patience, so the run stops."""
+    stopper = EarlyStopping("val_accuracy", patience=5)
+    assert stopper.update(1, Score(0.9, 0.5)) and stopper.update(2, Score(1.0, 0.1))
+    stopped_at = None
+    for epoch in range(3, 40):
+        assert stopper.update(epoch, Score(1.0, 0.1 / epoch))  # each epoch's weights are the new best
+        if stopper.should_stop:
+            stopped_at = epoch
+            break
+    assert stopped_at == 7 and stopper.best_epoch == 7 and stopper.best == Score(1.0, 0.1 / 7)
+    assert stopper.reason() == ("early stopping: val_accuracy did not improve for 5 epochs (patience 5); "
+                                "best 1.0000 at epoch 7")
+    by_loss = EarlyStopping("val_loss", patience=2)  # the loss is the monitor: every lower loss improves
+    for epoch in range(1, 10):
+        by_loss.update(epoch, Score(1.0, 1.0 / epoch))
+    assert not by_loss.should_stop and by_loss.best_epoch == 9
 
 
 def test_early_stopping_keeps_the_best_epochs_weights(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ same inputs (`training_inputs`) and train in worker/gang_training.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,7 +46,7 @@ class TrainingInputs:
 
 
 def training_inputs(job: Job, settings: Settings, catalog: DatasetCatalog, store: JobStore, paths: CheckpointPaths,
-                    torch_device: str) -> TrainingInputs:
+                    torch_device: str, should_stop: Callable[[], str | None] | None = None) -> TrainingInputs:
     params = TrainingParams.model_validate(job.params)  # resolved at submit (core/kinds/train.py)
     channels, height, width = params.input_for(job.model)
     device = torch.device(torch_device)
@@ -55,12 +56,13 @@ def training_inputs(job: Job, settings: Settings, catalog: DatasetCatalog, store
     else:  # a record from before that: the starting weights' own ratio, as it was decided then
         resize = round(height * initial.resize_ratio) if initial is not None and initial.resize_ratio else None
     data = load_dataset(catalog.get(job.dataset), settings, channels, height, width, seed=params.seed,
-                        resize_size=resize)
+                        resize_size=resize, should_stop=should_stop)
     return TrainingInputs(params, channels, height, width, initial, resize, data, device)
 
 
 def run_train_job(job: Job, ctx: JobContext) -> JobOutcome:
-    inputs = training_inputs(job, ctx.settings, ctx.catalog, ctx.store, ctx.paths, ctx.device.torch_device)
+    inputs = training_inputs(job, ctx.settings, ctx.catalog, ctx.store, ctx.paths, ctx.device.torch_device,
+                             ctx.should_stop)
     ctx.set_classes(inputs.data.classes)
     plan = plan_training(job.id, job.model, inputs.params, inputs.data, inputs.device, inputs.channels,
                          inputs.height, inputs.width, earlier=job.device_choices)
