@@ -15,7 +15,8 @@ torch.distributed (worker/gang.py, worker/gang_training.py). Three records make 
   at a time (renewed by every scheduler pass): single-device jobs do not take them, so a steady
   stream of those cannot starve it (core/gang_scheduler.py).
 - **The gang record** (`ty:gang:<job>`): the attempt id (a fresh one per reservation), the
-  delivery token it serves, its ranks, rank 0's rendezvous address once rank 0 claimed the job,
+  delivery token it serves, its ranks, rank 0's rendezvous address once rank 0 claimed the job
+  and the secret under which the ranks' keys live in that store (never shown by the API),
   the ranks that are ready, the last epoch rank 0 recorded, and the first failure a rank
   reported. Every write checks the attempt id inside its script: a rank of an older attempt
   (frozen, then woken) writes nothing. Rank 0 writes the job itself, through the job's fenced
@@ -75,6 +76,7 @@ class GangState:
     members: list[Member]
     running: bool  # rank 0 claimed the job and published its rendezvous address
     address: str | None  # "<host>:<port>" of rank 0's store
+    secret: str | None = field(default=None, repr=False)  # the attempt's namespace in that store
     ready: set[int] = field(default_factory=set)
     epoch: int = 0  # the last epoch rank 0 recorded in the job
     failure: str | None = None  # why the first rank that failed left
@@ -131,11 +133,11 @@ return 1
 """
 
 # Rank 0 claimed the job: the gang runs, and its store listens at ARGV[3]. KEYS: gang, reserved set.
-# ARGV: attempt, job id, address.
+# ARGV: attempt, job id, address, the record's TTL, the attempt's secret.
 _START = """
 local g = redis.call('HMGET', KEYS[1], 'attempt', 'state')
 if g[1] ~= ARGV[1] or g[2] ~= 'reserved' then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'running', 'address', ARGV[3])
+redis.call('HSET', KEYS[1], 'state', 'running', 'address', ARGV[3], 'secret', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('ZREM', KEYS[2], ARGV[2])
 return 1
@@ -199,10 +201,11 @@ class GangRecords:
         raw = self.redis.hgetall(keys.gang(job_id))
         return parse_gang(raw) if raw else None
 
-    def start(self, job_id: str, attempt: str, address: str) -> bool:
-        """Rank 0, after claiming the job: the gang runs, its store listens at `address`."""
+    def start(self, job_id: str, attempt: str, address: str, secret: str) -> bool:
+        """Rank 0, after claiming the job: the gang runs, its store listens at `address`, the ranks'
+        keys live under `secret` there."""
         return bool(self._start(keys=[keys.gang(job_id), keys.GANGS_RESERVED],
-                                args=[attempt, job_id, address, GANG_RECORD_TTL_S]))
+                                args=[attempt, job_id, address, GANG_RECORD_TTL_S, secret]))
 
     def ready(self, job_id: str, seat: Seat) -> bool:
         """This rank has its data, model and plan: it joins the process group once all are ready."""
@@ -246,7 +249,7 @@ def parse_gang(raw: dict[str, str]) -> GangState:
     failure = json.loads(raw["failure"]) if raw.get("failure") else {}
     return GangState(
         attempt=raw.get("attempt", ""), token=raw.get("token", ""), members=sorted(members, key=lambda m: m.rank),
-        running=raw.get("state") == "running", address=raw.get("address") or None,
+        running=raw.get("state") == "running", address=raw.get("address") or None, secret=raw.get("secret") or None,
         ready={int(name.split(":", 1)[1]) for name in raw if name.startswith("ready:")},
         epoch=int(raw.get("epoch") or 0), failure=failure.get("message"), fatal=bool(failure.get("fatal")))
 
