@@ -135,6 +135,10 @@ class Supervisor:
     def plan(self, redis_url: str) -> list[Child]:
         base = {**os.environ, "TORCHYARD_REDIS_URL": redis_url, "TORCHYARD_DATA_DIR": str(self.settings.data_dir),
                 "PYTHONUNBUFFERED": "1"}
+        if not self.settings.redis_url and not self.settings.advertise_address:
+            # The embedded Redis is a unix socket: every worker is on this host, so a gang's ranks
+            # reach each other on loopback, and rank 0's store listens nowhere else (docs/security.md).
+            base["TORCHYARD_ADVERTISE_ADDRESS"] = "127.0.0.1"
         cli = [sys.executable, "-m", "app.cli"]
         children = [Child("api", [*cli, "api"], base)]
         gpus = visible_gpus(self.settings)

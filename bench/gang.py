@@ -78,12 +78,12 @@ def _rank(rank: int, port: int, model_name: str, batch: int, steps: int, rounds:
 
     from models.registry import build_model, get_model_spec
     from worker.data import load_fake
-    from worker.distributed import GangPlacement, init_group, join_store, leave_group, open_store
+    from worker.distributed import GangPlacement, RendezvousServer, init_group, join_store, leave_group
     from worker.train_step import StepRunner
 
     torch.set_num_threads(1)
-    store = open_store("127.0.0.1", port, 60)[0] if rank == 0 else join_store(f"127.0.0.1:{port}", 60)
-    init_group(store, "bench", rank, 2, torch.device("cpu"), 60)
+    server = RendezvousServer("127.0.0.1", port, 60) if rank == 0 else None
+    init_group(join_store(f"127.0.0.1:{port}", 60), "bench", rank, 2, torch.device("cpu"), 60)
     try:
         spec = get_model_spec(model_name)
         size = spec.input.height
@@ -129,6 +129,8 @@ def _rank(rank: int, port: int, model_name: str, batch: int, steps: int, rounds:
             Path(out).write_text(json.dumps(timings))
     finally:
         leave_group(failed=False)
+        if server is not None:
+            server.close()
 
 
 def step_share(model: str, batch: int, steps: int, rounds: int) -> dict[str, Any]:

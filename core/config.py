@@ -182,7 +182,8 @@ class Settings(BaseSettings):
     advertise_address: str | None = Field(
         default=None,
         description="The address the other ranks of a gang reach this worker at: its rendezvous store when it "
-                    "runs rank 0, and the interface gloo and NCCL use. Unset: what this host's name resolves to.",
+                    "runs rank 0 (listening there only), and the interface gloo and NCCL use. Unset: what this "
+                    "host's name resolves to (`up` with its embedded Redis sets 127.0.0.1).",
     )
     rendezvous_port: int = Field(
         default=29500, ge=1, le=65535,

@@ -15,25 +15,30 @@ starts within a beat of enough devices being free, whichever worker freed them. 
 3. For a reservation made, one `torchyard.train(job, token, seat)` message per rank, on each
    device's own queue (core/queue.py).
 
-A job that cannot be placed now waits. So that a stream of single-device jobs cannot starve it,
-the OLDEST gang that waits (and only it: two waiting gangs never hold devices at once, so they
-cannot block each other) holds the free devices it will use, for a few seconds renewed every
-pass: a worker whose device is held gives a single-device job back to its queue, and the gang
-starts once the rest are free. A younger, smaller gang still starts on free devices nobody holds.
-A gang larger than the live devices of its type holds nothing (it waits for workers to come back).
+A job that cannot be placed now waits. So that a backlog of single-device jobs cannot starve it,
+the OLDEST gang that waits and fits the live devices (and only it: two waiting gangs never hold
+devices at once, so they cannot block each other) holds the devices it will use, as
+core/gang_policy.py decides: the free ones at once, and, while those are too few, every busy one
+of its type for when its task ends (the task's release turns that promise into the hold, so the
+next single-device job in the queue does not take it). A worker whose device is held gives a
+single-device job back to its queue; the gang starts at the first pass after enough of its
+devices are free. Holds last `HOLD_S` unless a pass renews them, and bind nobody once their gang
+no longer waits; a gang placed lets go at once of the ones it does not use. A younger, smaller
+gang still starts on free devices nobody holds.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import redis
 
 from core import keys
 from core.clock import redis_now
+from core.gang_policy import HOLD_S, Holder, hold_plan, placement_order, read_slot
 from core.gangs import GANG_RECORD_TTL_S, Seat, new_attempt, parse_gang
 from core.queue import Dispatch, TrainDelivery, gang_request, queue_for_device
 from core.schemas import Device, JobStatus
@@ -42,17 +47,14 @@ log = logging.getLogger(__name__)
 
 WAITING_BATCH = 50  # waiting deliveries looked at per pass
 LOCK_MS = 1000
-# How long the oldest waiting gang holds the free devices it will need (renewed every pass, so by
-# every live worker's beat): single-device jobs do not take them while it waits for the others.
-HOLD_S = 5.0
 
 # KEYS: job hash, gang hash, waiting set, reserved set, then per candidate its slot and alive keys.
 # ARGV: task id, token, attempt, want, least, reservation seconds, job id, pinned ("1": candidate 1 must
-# be rank 0), the record's TTL, hold seconds (0: none), then per candidate its device id and worker name.
-# A slot is free when empty, when its reservation or hold lapsed, or when it is held for this job.
-# Returns {1, i1, i2, ...} (the candidates reserved, in rank order); {0, free} when fewer than `least`
-# are free: nothing reserved, and with hold seconds the free ones are held for this job (module
-# docstring); {-1} when the delivery is stale, {-2} when already reserved.
+# be rank 0), the record's TTL, then per candidate its device id and worker name.
+# A slot is free when empty, when its reservation or hold lapsed, when it is held for this job, or held
+# for a gang that no longer waits. Returns {1, i1, i2, ...} (the candidates reserved, in rank order;
+# this job's holds on the others are let go); {0, free} when fewer than `least` are free (nothing
+# changed); {-1} when the delivery is stale, {-2} when already reserved.
 _RESERVE = """
 redis.replicate_commands()
 local job = redis.call('HMGET', KEYS[1], 'status', 'delivery')
@@ -70,33 +72,36 @@ local want, least = tonumber(ARGV[4]), tonumber(ARGV[5])
 local free = {}
 for i = 1, (#KEYS - 4) / 2 do
   if redis.call('EXISTS', KEYS[4 + 2 * i]) == 1 then
-    local s = redis.call('HMGET', KEYS[3 + 2 * i], 'state', 'deadline', 'job')
+    local s = redis.call('HMGET', KEYS[3 + 2 * i], 'state', 'deadline', 'job', 'entry')
     local lapsed = s[2] and tonumber(s[2]) < now
-    if (not s[1]) or ((s[1] == 'reserved' or s[1] == 'held') and lapsed) or (s[1] == 'held' and s[3] == ARGV[7]) then
+    local void = s[1] == 'held' and not (s[4] and redis.call('ZSCORE', KEYS[3], s[4]))
+    if (not s[1]) or ((s[1] == 'reserved' or s[1] == 'held') and lapsed) or (s[1] == 'held' and s[3] == ARGV[7])
+        or void then
       free[#free + 1] = i
     end
   end
 end
 local chosen = {}
 for n, i in ipairs(free) do if n <= want then chosen[n] = i end end
-if #chosen < least or (ARGV[8] == '1' and chosen[1] ~= 1) then
-  if tonumber(ARGV[10]) > 0 then  -- the oldest gang that waits: no single-device job starts on these meanwhile
-    local until_ = string.format('%.6f', now + tonumber(ARGV[10]))
-    for _, i in ipairs(free) do
-      redis.call('DEL', KEYS[3 + 2 * i])
-      redis.call('HSET', KEYS[3 + 2 * i], 'state', 'held', 'job', ARGV[7], 'deadline', until_)
-    end
-  end
-  return {0, #free}
-end
+if #chosen < least or (ARGV[8] == '1' and chosen[1] ~= 1) then return {0, #free} end
 local deadline = string.format('%.6f', now + tonumber(ARGV[6]))
 local members = {}
+local taken = {}
 for rank0, i in ipairs(chosen) do
   local slot = KEYS[3 + 2 * i]
+  taken[i] = true
   redis.call('DEL', slot)
   redis.call('HSET', slot, 'state', 'reserved', 'job', ARGV[7], 'token', ARGV[2], 'attempt', ARGV[3],
              'rank', rank0 - 1, 'deadline', deadline)
-  members[rank0] = {rank = rank0 - 1, device = ARGV[9 + 2 * i], worker = ARGV[10 + 2 * i]}
+  members[rank0] = {rank = rank0 - 1, device = ARGV[8 + 2 * i], worker = ARGV[9 + 2 * i]}
+end
+for i = 1, (#KEYS - 4) / 2 do  -- what it held and does not use is free again
+  if not taken[i] then
+    local slot = KEYS[3 + 2 * i]
+    local s = redis.call('HMGET', slot, 'state', 'entry', 'hold_entry')
+    if s[1] == 'held' and s[2] == ARGV[1] then redis.call('DEL', slot)
+    elseif s[3] == ARGV[1] then redis.call('HDEL', slot, 'hold_job', 'hold_entry', 'hold_deadline') end
+  end
 end
 redis.call('DEL', KEYS[2])
 redis.call('HSET', KEYS[2], 'attempt', ARGV[3], 'token', ARGV[2], 'state', 'reserved', 'deadline', deadline,
@@ -107,6 +112,33 @@ redis.call('ZREM', KEYS[3], ARGV[1])
 local out = {1}
 for _, i in ipairs(chosen) do out[#out + 1] = i end
 return out
+"""
+
+# Apply a pass's hold plan (core/gang_policy.hold_plan). KEYS: then the slots of the devices named.
+# ARGV: the holder's waiting delivery, its job id, hold seconds, then per slot 'hold' or 'drop'. A hold
+# makes a free slot (or one whose reservation lapsed, or held by anyone) held for the holder; a slot
+# busy with a task, or reserved for a rank, is promised to it instead (its release holds it).
+_HOLD = """
+redis.replicate_commands()
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local until_ = string.format('%.6f', now + tonumber(ARGV[3]))
+for i = 1, #KEYS do
+  local s = redis.call('HMGET', KEYS[i], 'state', 'deadline')
+  if ARGV[3 + i] == 'hold' then
+    if (not s[1]) or s[1] == 'held' or (s[1] == 'reserved' and tonumber(s[2]) < now) then
+      redis.call('DEL', KEYS[i])
+      redis.call('HSET', KEYS[i], 'state', 'held', 'job', ARGV[2], 'entry', ARGV[1], 'deadline', until_)
+    else
+      redis.call('HSET', KEYS[i], 'hold_job', ARGV[2], 'hold_entry', ARGV[1], 'hold_deadline', until_)
+    end
+  elseif s[1] == 'held' then
+    redis.call('DEL', KEYS[i])
+  else
+    redis.call('HDEL', KEYS[i], 'hold_job', 'hold_entry', 'hold_deadline')
+  end
+end
+return 1
 """
 
 # Undo a reservation that lapsed. KEYS: gang, reserved set, waiting set, job hash, then the slots of
@@ -137,13 +169,12 @@ return 1
 """
 
 
-def placement_order(candidates: list[Device], pinned: str | None) -> list[Device]:
-    """Candidates packed by host (the host with the most first, then by id), `pinned` first."""
-    per_host = Counter(d.id.split("/", 1)[0] for d in candidates)
-    ordered = sorted(candidates, key=lambda d: (-per_host[d.id.split("/", 1)[0]], d.id))
-    if pinned is not None:
-        ordered = [d for d in ordered if d.id == pinned] + [d for d in ordered if d.id != pinned]
-    return ordered
+@dataclass(frozen=True)
+class Waits:
+    """A gang that fits the live devices but waits for enough of them to be free."""
+
+    holder: Holder
+    candidates: list[str]  # the live devices of its type, in placement order
 
 
 class GangScheduler:
@@ -158,6 +189,7 @@ class GangScheduler:
         self._reserve = client.register_script(_RESERVE)
         self._lapse = client.register_script(_LAPSE)
         self._unlock = client.register_script(_UNLOCK)
+        self._hold = client.register_script(_HOLD)
 
     def run_once(self) -> list[str]:
         """One pass (module docstring); the jobs reserved. Cheap when nothing waits (two ZCARDs)."""
@@ -175,14 +207,16 @@ class GangScheduler:
             placed: list[str] = []
             entries = self.redis.zrange(keys.GANGS_WAITING, 0, WAITING_BATCH - 1) if waiting else []
             devices = [d for d in self.devices() if d.status in ("idle", "busy")] if entries else []
-            hold = True  # only the oldest gang that has to wait holds devices
+            holding = False  # only the oldest gang that has to wait holds devices
             for entry in entries:
-                job_id, _, token = entry.partition(".")
-                outcome = self._place(entry, job_id, token, devices, hold)
-                if outcome == "placed":
-                    placed.append(job_id)
-                elif outcome == "waits":
-                    hold = False
+                outcome = self._place(entry, devices)
+                if isinstance(outcome, Waits) and not holding:
+                    self._apply_holds(outcome, devices)
+                    holding = True
+                elif outcome == "placed":
+                    placed.append(entry.partition(".")[0])
+            if entries and not holding:
+                self._apply_holds(None, devices)  # nobody fits: whatever is held is let go
             return placed
         finally:
             self._unlock(keys=[keys.GANGS_LOCK], args=[self.instance])
@@ -194,9 +228,10 @@ class GangScheduler:
         if status == JobStatus.queued.value and delivery == token and queue:
             self.dispatch(TrainDelivery(job_id, token, queue))
 
-    def _place(self, entry: str, job_id: str, token: str, live: list[Device], hold: bool) -> str:
-        """placed; waits (it fits the live devices once enough are free: with `hold`, the free ones are
-        held for it); or skipped (stale, or too few live devices of its type: nothing is held)."""
+    def _place(self, entry: str, live: list[Device]) -> str | Waits:
+        """placed; Waits (it fits the live devices once enough are free); or skipped (stale, or too few
+        live devices of its type: it waits for workers, holding nothing)."""
+        job_id, _, token = entry.partition(".")
         status, queue, raw_params, attempts = self.redis.hmget(keys.job(job_id), "status", "queue", "params",
                                                                "attempts")
         if status != JobStatus.queued.value or not queue:
@@ -218,7 +253,7 @@ class GangScheduler:
         # An auto gang runs on GPUs when enough GPU workers are live, else on CPUs.
         kind = next((k for k in kinds if sum(d.type == k for d in live) >= least), None)
         if kind is None:
-            return "skipped"  # too few live devices of its type: it waits for workers, holding nothing
+            return "skipped"
         candidates = placement_order([d for d in live if d.type == kind], pinned.id if pinned else None)
         attempt = new_attempt()
         slot_keys = [k for d in candidates for k in (keys.device_slot(d.id), keys.device_alive(d.id))]
@@ -226,13 +261,39 @@ class GangScheduler:
         result = self._reserve(
             keys=[keys.job(job_id), keys.gang(job_id), keys.GANGS_WAITING, keys.GANGS_RESERVED, *slot_keys],
             args=[entry, token, attempt, world_size, least, self.reservation_s, job_id, "1" if pinned else "0",
-                  GANG_RECORD_TTL_S, self.hold_s if hold else 0, *names])
+                  GANG_RECORD_TTL_S, *names])
         if result[0] < 0:
             return "skipped"
         if result[0] == 0:
-            return "waits"
+            return Waits(Holder(entry, job_id, least, pinned.id if pinned else None), [d.id for d in candidates])
         self._send_ranks(job_id, token, attempt, [candidates[i - 1] for i in result[1:]])
         return "placed"
+
+    def _apply_holds(self, waits: Waits | None, live: list[Device]) -> None:
+        """Hold for the oldest waiting gang what core/gang_policy.hold_plan says, and let go of every
+        other hold; one read of the live devices' slots, one script."""
+        ids = [d.id for d in live]
+        now, raws = self._read_slots(ids)
+        mentioned = sorted({e for raw in raws for e in (raw.get("entry"), raw.get("hold_entry")) if e})
+        scores = self.redis.zmscore(keys.GANGS_WAITING, mentioned) if mentioned else []
+        waiting = {e for e, score in zip(mentioned, scores, strict=True) if score is not None}
+        views = {device: read_slot(device, raw, now, waiting) for device, raw in zip(ids, raws, strict=True)}
+        candidates = [views[d] for d in waits.candidates] if waits is not None else []
+        plan = hold_plan(waits.holder if waits is not None else None, candidates, list(views.values()))
+        if not plan:
+            return
+        named = list(plan)
+        holder = waits.holder if waits is not None else Holder("", "", 0)
+        self._hold(keys=[keys.device_slot(d) for d in named],
+                   args=[holder.entry, holder.job, self.hold_s, *(plan[d] for d in named)])
+
+    def _read_slots(self, devices: list[str]) -> tuple[float, list[dict[str, str]]]:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.time()
+        for device in devices:
+            pipe.hgetall(keys.device_slot(device))
+        (seconds, micros), *raws = pipe.execute()
+        return seconds + micros / 1_000_000, raws
 
     def _send_ranks(self, job_id: str, token: str, attempt: str, members: list[Device]) -> None:
         log.info("job %s: reserved %s for its gang (attempt %s)", job_id, ", ".join(d.id for d in members), attempt)

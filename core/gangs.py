@@ -11,11 +11,13 @@ torch.distributed (worker/gang.py, worker/gang_training.py). Three records make 
   single-device job: a worker that receives one there gives it back to its queue (it ran
   nothing) and takes its rank's message next. A reservation lapses after its deadline (Redis
   time) if rank 0 has not started the job by then; a joined rank notices and frees its slot.
-  While the oldest gang waits, the free devices it will need are `held` for it for a few seconds
-  at a time (renewed by every scheduler pass): single-device jobs do not take them, so a steady
-  stream of those cannot starve it (core/gang_scheduler.py).
+  While the oldest gang waits, the devices it will need are `held` for it (free ones at once,
+  busy ones through a promise on their slot that the task's own release turns into the hold), so
+  a backlog of single-device jobs cannot starve it: core/gang_policy.py decides which, and when a
+  held device may still start a single-device job; the scripts below enforce it.
 - **The gang record** (`ty:gang:<job>`): the attempt id (a fresh one per reservation), the
-  delivery token it serves, its ranks, rank 0's rendezvous address once rank 0 claimed the job,
+  delivery token it serves, its ranks, rank 0's rendezvous address once rank 0 claimed the job
+  and the secret under which the ranks' keys live in that store (never shown by the API),
   the ranks that are ready, the last epoch rank 0 recorded, and the first failure a rank
   reported. Every write checks the attempt id inside its script: a rank of an older attempt
   (frozen, then woken) writes nothing. Rank 0 writes the job itself, through the job's fenced
@@ -29,7 +31,7 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -66,6 +68,14 @@ class Member:
     worker: str
 
 
+class SlotState(NamedTuple):
+    """A taken slot, as the API and the ranks read it (GangRecords.slot_states)."""
+
+    state: str  # reserved, held or busy
+    job: str  # the job it is reserved or held for, or busy with
+    promised: str = ""  # busy or reserved: the gang job it is held for once its task ends
+
+
 @dataclass(frozen=True)
 class GangState:
     """One read of a gang record (GangRecords.read)."""
@@ -75,6 +85,7 @@ class GangState:
     members: list[Member]
     running: bool  # rank 0 claimed the job and published its rendezvous address
     address: str | None  # "<host>:<port>" of rank 0's store
+    secret: str | None = field(default=None, repr=False)  # the attempt's namespace in that store
     ready: set[int] = field(default_factory=set)
     epoch: int = 0  # the last epoch rank 0 recorded in the job
     failure: str | None = None  # why the first rank that failed left
@@ -89,19 +100,35 @@ def new_attempt() -> str:
     return secrets.token_hex(6)
 
 
-# A task is starting on this device (KEYS[1] slot): refused (0) while the slot is reserved for a gang's
-# rank or held for the oldest waiting gang, until that lapses; else marked busy with job ARGV[1], token
-# ARGV[2].
+# A task is starting on this device (KEYS: slot, waiting set): refused (0) while the slot is reserved for
+# a gang's rank, or held for a gang that still waits (core/gang_policy.single_may_start), until that
+# lapses; else marked busy with job ARGV[1], token ARGV[2].
 _TAKE_FOR_JOB = """
 redis.replicate_commands()
-local s = redis.call('HMGET', KEYS[1], 'state', 'deadline')
+local s = redis.call('HMGET', KEYS[1], 'state', 'deadline', 'entry')
 if s[1] == 'reserved' or s[1] == 'held' then
   local t = redis.call('TIME')
-  if tonumber(t[1]) + tonumber(t[2]) / 1000000 < tonumber(s[2]) then return 0 end
+  if tonumber(t[1]) + tonumber(t[2]) / 1000000 < tonumber(s[2]) then
+    if s[1] == 'reserved' or (s[3] and redis.call('ZSCORE', KEYS[2], s[3])) then return 0 end
+  end
 end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'state', 'busy', 'job', ARGV[1], 'token', ARGV[2])
 return 1
+"""
+
+# What a slot whose task is over becomes (KEYS[1] slot, KEYS[2] waiting set): held for the gang it was
+# promised to, if that promise stands (its deadline, Redis time, and its gang still waits); else free.
+_FREE_OR_HOLD = """
+local function free_or_hold()
+  local p = redis.call('HMGET', KEYS[1], 'hold_job', 'hold_entry', 'hold_deadline')
+  redis.call('DEL', KEYS[1])
+  if not p[2] or not redis.call('ZSCORE', KEYS[2], p[2]) then return 1 end
+  local t = redis.call('TIME')
+  if tonumber(t[1]) + tonumber(t[2]) / 1000000 >= tonumber(p[3]) then return 1 end
+  redis.call('HSET', KEYS[1], 'state', 'held', 'job', p[1], 'entry', p[2], 'deadline', p[3])
+  return 2
+end
 """
 
 # A rank's message arrived (KEYS: slot, gang): take the slot only if it is reserved for exactly this
@@ -116,26 +143,30 @@ redis.call('HSET', KEYS[1], 'state', 'busy')
 return 1
 """
 
-# Free the slot (KEYS[1]) if it is still this task's: job ARGV[1], token ARGV[2], attempt ARGV[3] ('' for
-# a single-device job).
+# The task ended: free the slot (or hold it, _FREE_OR_HOLD) if it is still this task's: job ARGV[1],
+# token ARGV[2], attempt ARGV[3] ('' for a single-device job). KEYS: slot, waiting set.
 _RELEASE = """
+redis.replicate_commands()
+""" + _FREE_OR_HOLD + """
 local s = redis.call('HMGET', KEYS[1], 'job', 'token', 'attempt')
-if s[1] == ARGV[1] and s[2] == ARGV[2] and (s[3] or '') == ARGV[3] then redis.call('DEL', KEYS[1]) return 1 end
+if s[1] == ARGV[1] and s[2] == ARGV[2] and (s[3] or '') == ARGV[3] then return free_or_hold() end
 return 0
 """
 
 # A fresh worker process on this device: whatever its predecessor was busy with is over.
 _RESET = """
-if redis.call('HGET', KEYS[1], 'state') == 'busy' then redis.call('DEL', KEYS[1]) end
+redis.replicate_commands()
+""" + _FREE_OR_HOLD + """
+if redis.call('HGET', KEYS[1], 'state') == 'busy' then return free_or_hold() end
 return 1
 """
 
 # Rank 0 claimed the job: the gang runs, and its store listens at ARGV[3]. KEYS: gang, reserved set.
-# ARGV: attempt, job id, address.
+# ARGV: attempt, job id, address, the record's TTL, the attempt's secret.
 _START = """
 local g = redis.call('HMGET', KEYS[1], 'attempt', 'state')
 if g[1] ~= ARGV[1] or g[2] ~= 'reserved' then return 0 end
-redis.call('HSET', KEYS[1], 'state', 'running', 'address', ARGV[3])
+redis.call('HSET', KEYS[1], 'state', 'running', 'address', ARGV[3], 'secret', ARGV[5])
 redis.call('EXPIRE', KEYS[1], ARGV[4])
 redis.call('ZREM', KEYS[2], ARGV[2])
 return 1
@@ -168,19 +199,22 @@ class DeviceSlots:
         self._reset = client.register_script(_RESET)
 
     def reset(self) -> None:
-        """At start: a predecessor's `busy` is over; a reservation stands (its rank's message waits)."""
-        self._reset(keys=[self.key])
+        """At start: a predecessor's `busy` is over (held, if it was promised to a waiting gang); a
+        reservation stands (its rank's message waits)."""
+        self._reset(keys=[self.key, keys.GANGS_WAITING])
 
     def take_for_job(self, job_id: str, token: str) -> bool:
-        """Mark the device busy with a single-device job; False while it is reserved for a gang."""
-        return bool(self._take(keys=[self.key], args=[job_id, token]))
+        """Mark the device busy with a single-device job; False while it is reserved for a gang's rank
+        or held for a waiting gang."""
+        return bool(self._take(keys=[self.key, keys.GANGS_WAITING], args=[job_id, token]))
 
     def join(self, job_id: str, token: str, seat: Seat) -> bool:
         """Take the slot reserved for this rank; False for a message of a lapsed or other attempt."""
         return bool(self._join(keys=[self.key, keys.gang(job_id)], args=[job_id, token, seat.attempt, seat.rank]))
 
     def release(self, job_id: str, token: str, attempt: str = "") -> None:
-        self._release(keys=[self.key], args=[job_id, token, attempt])
+        """The task ended: the device is free, or held for the waiting gang it was promised to."""
+        self._release(keys=[self.key, keys.GANGS_WAITING], args=[job_id, token, attempt])
 
     def state(self) -> dict[str, str]:
         return self.redis.hgetall(self.key)
@@ -199,10 +233,11 @@ class GangRecords:
         raw = self.redis.hgetall(keys.gang(job_id))
         return parse_gang(raw) if raw else None
 
-    def start(self, job_id: str, attempt: str, address: str) -> bool:
-        """Rank 0, after claiming the job: the gang runs, its store listens at `address`."""
+    def start(self, job_id: str, attempt: str, address: str, secret: str) -> bool:
+        """Rank 0, after claiming the job: the gang runs, its store listens at `address`, the ranks'
+        keys live under `secret` there."""
         return bool(self._start(keys=[keys.gang(job_id), keys.GANGS_RESERVED],
-                                args=[attempt, job_id, address, GANG_RECORD_TTL_S]))
+                                args=[attempt, job_id, address, GANG_RECORD_TTL_S, secret]))
 
     def ready(self, job_id: str, seat: Seat) -> bool:
         """This rank has its data, model and plan: it joins the process group once all are ready."""
@@ -229,13 +264,13 @@ class GangRecords:
             pipe.exists(keys.device_alive(device))
         return [bool(n) for n in pipe.execute()]
 
-    def slot_states(self, devices: list[str]) -> dict[str, tuple[str, str]]:
-        """(state, job) of each device's slot that is taken: reserved, held or busy (absent: free)."""
+    def slot_states(self, devices: list[str]) -> dict[str, SlotState]:
+        """Each device's slot that is taken: reserved, held or busy (absent: free)."""
         pipe = self.redis.pipeline(transaction=False)
         for device in devices:
-            pipe.hmget(keys.device_slot(device), "state", "job")
-        return {device: (state, job or "") for device, (state, job) in zip(devices, pipe.execute(), strict=True)
-                if state}
+            pipe.hmget(keys.device_slot(device), "state", "job", "hold_job")
+        return {device: SlotState(state, job or "", promised or "")
+                for device, (state, job, promised) in zip(devices, pipe.execute(), strict=True) if state}
 
     def _write(self, job_id: str, attempt: str, name: str, value: str, *, first: bool = False) -> bool:
         return bool(self._set(keys=[keys.gang(job_id)], args=[attempt, name, value, "first" if first else ""]))
@@ -246,7 +281,7 @@ def parse_gang(raw: dict[str, str]) -> GangState:
     failure = json.loads(raw["failure"]) if raw.get("failure") else {}
     return GangState(
         attempt=raw.get("attempt", ""), token=raw.get("token", ""), members=sorted(members, key=lambda m: m.rank),
-        running=raw.get("state") == "running", address=raw.get("address") or None,
+        running=raw.get("state") == "running", address=raw.get("address") or None, secret=raw.get("secret") or None,
         ready={int(name.split(":", 1)[1]) for name in raw if name.startswith("ready:")},
         epoch=int(raw.get("epoch") or 0), failure=failure.get("message"), fatal=bool(failure.get("fatal")))
 
@@ -278,7 +313,7 @@ def check_world_size(world_size: int, requested: str, devices: list[Device]) -> 
                            f"or start more workers")
 
 
-def waiting_note(job: Job, gang: GangState | None, live: list[Device], slots: dict[str, tuple[str, str]]) -> str:
+def waiting_note(job: Job, gang: GangState | None, live: list[Device], slots: dict[str, SlotState]) -> str:
     """What a queued gang job waits for, from the live devices and their slots (read, never stored)."""
     if gang is not None and gang.token and not gang.running:
         ranks = ", ".join(f"{m.device} (rank {m.rank})" for m in gang.members)
@@ -289,10 +324,12 @@ def waiting_note(job: Job, gang: GangState | None, live: list[Device], slots: di
     kind = gang_kind(job.requested_device, live)
     eligible = [d for d in live if kind is None or d.type == kind]
     idle = sorted(d.id for d in eligible if d.id not in slots)
-    held = sorted(d.id for d in eligible if slots.get(d.id) == ("held", job.id))
+    held = sorted(d.id for d in eligible if d.id in slots and slots[d.id].state == "held" and slots[d.id].job == job.id)
+    promised = sorted(d.id for d in eligible if d.id in slots and slots[d.id].promised == job.id)
     what = "GPU" if kind == "cuda" else "CPU" if kind == "cpu" else ""
     wanted = f"{least} to {need}" if least < need else f"{need}"
     pinned = f"; rank 0 on {job.requested_device}" if kind and job.requested_device not in ("cuda", "cpu") else ""
     note = (f"waiting for {wanted} free {what + ' ' if what else ''}workers at once (world_size {need}{pinned}); "
             f"free now: {len(idle)}{' (' + ', '.join(idle) + ')' if idle else ''} of {len(eligible)} live")
-    return note + (f"; holding {', '.join(held)} for it" if held else "")
+    note += f"; holding {', '.join(held)} for it" if held else ""
+    return note + (f"; then {', '.join(promised)} once the job running there ends" if promised else "")

@@ -38,10 +38,11 @@ Layout::
                                             task id <job>.<token> (score 0: lexicographic = oldest job first)
     ty:gangs:reserved                zset   job id -> when (Redis time) its unstarted reservation lapses
     ty:gangs:lock                    string which worker runs the gang scheduler now (short TTL)
-    ty:gang:<job id>                 hash   the job's gang: attempt id, token, ranks, rendezvous address,
+    ty:gang:<job id>                 hash   the job's gang: attempt id, token, ranks, rendezvous address and secret,
                                             ready ranks, the epoch rank 0 recorded, a rank's failure
     ty:device:<id>:slot              hash   what the device's worker is doing: reserved for a gang's rank,
-                                            or busy with a job (absent: free); core/gangs.py
+                                            held for a waiting gang, or busy with a job (and maybe promised
+                                            to a waiting gang for when it ends; absent: free); core/gangs.py
 """
 
 from __future__ import annotations

@@ -34,6 +34,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def connects(host: str, port: int) -> bool:
+    """Whether a TCP connection to host:port is accepted (False: refused, or no such address here)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5)
+        try:
+            probe.connect((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
     deadline = time.monotonic() + timeout
     last = None

@@ -29,6 +29,7 @@ import datetime
 import inspect
 import logging
 import os
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -74,28 +75,87 @@ def bind_interfaces(address: str) -> None:
             return
 
 
-def open_store(address: str, first_port: int, timeout_s: float) -> tuple[dist.TCPStore, int]:
-    """Rank 0's rendezvous store, listening on the first free port from `first_port`."""
-    last: Exception | None = None
-    for port in range(first_port, min(first_port + RENDEZVOUS_PORTS, 65536)):
-        try:
-            store = dist.TCPStore(address, port, is_master=True, wait_for_workers=False,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
-            return store, port
-        except (RuntimeError, dist.DistError) as exc:  # the port is taken (another gang's rank 0 here)
-            last = exc
-    raise RuntimeError(f"no free rendezvous port in {first_port}..{first_port + RENDEZVOUS_PORTS - 1}: {last}")
+class RendezvousServer:
+    """Rank 0's rendezvous store, for one attempt: torch's TCPStore server, listening on the advertised
+    address only (never on every interface, which is what TCPStore does with a port alone: it binds
+    `::` or 0.0.0.0 whatever host name it is given), from the first free port of `first_port` +
+    [0, RENDEZVOUS_PORTS). Every rank, rank 0 included, talks to it through a client store
+    (`join_store`), so this object holds the server's only reference: `close()` (or leaving the `with`
+    block) ends it and closes its port at once, whatever still holds a client.
+
+    What torch lets it refuse (docs/security.md): with the libuv server (torch's default) a key over
+    8 KiB or a value over 8 MiB closes the sender's connection; the legacy server, used where libuv
+    cannot take a listening socket (torch releases before that support came, in 2025), accepts any
+    size. Nothing bounds the total or authenticates a client: the port must be reachable by the
+    other workers only.
+    """
+
+    def __init__(self, address: str, first_port: int, timeout_s: float) -> None:
+        family, _, _, _, where = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)[0]
+        host = str(where[0])
+        last: OSError | None = None
+        for port in range(first_port, min(first_port + RENDEZVOUS_PORTS, 65536)):
+            listener = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore's own listen does
+                listener.bind((host, port))
+                listener.listen(socket.SOMAXCONN)
+            except OSError as exc:  # the port is taken (another gang's rank 0 on this host)
+                listener.close()
+                last = exc
+                continue
+            self._server: dist.TCPStore | None = _serve(host, port, listener.detach(), timeout_s)
+            self.host, self.port = host, port
+            return
+        raise RuntimeError(f"no free rendezvous port on {host} in {first_port}..{first_port + RENDEZVOUS_PORTS - 1}: "
+                           f"{last}")
+
+    @property
+    def bounds_messages(self) -> bool:
+        """Whether the server refuses an oversized key or value (the libuv server does)."""
+        return self._server is not None and bool(self._server.libuvBackend)
+
+    @property
+    def address(self) -> str:
+        """"<host>:<port>", as the gang record publishes it and `join_store` reads it."""
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    def close(self) -> None:
+        """Stop the server: its thread ends and its port closes (clients still open see it gone)."""
+        self._server = None
+
+    def __enter__(self) -> RendezvousServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve(host: str, port: int, fd: int, timeout_s: float) -> dist.TCPStore:
+    """A TCPStore server on the listening socket `fd` (TCPStore owns it from here). libuv first: it
+    bounds each message; a torch whose libuv server takes no listening socket says so before it
+    touches the descriptor (NotImplementedError), and the legacy server takes it instead."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    try:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=fd,
+                             use_libuv=True)
+    except NotImplementedError:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=fd,
+                             use_libuv=False)
 
 
 def join_store(address: str, timeout_s: float) -> dist.TCPStore:
+    """A client of rank 0's store at "<host>:<port>" (an IPv6 host in brackets)."""
     host, _, port = address.rpartition(":")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def init_group(store: dist.Store, attempt: str, rank: int, world_size: int, device: torch.device,
+def init_group(store: dist.Store, namespace: str, rank: int, world_size: int, device: torch.device,
                timeout_s: float) -> None:
     """This process's default process group for the attempt: NCCL on the pinned GPU (cuda:0 in a
-    pinned worker), gloo on the CPU; every collective gives up after `timeout_s`."""
+    pinned worker), gloo on the CPU; every collective gives up after `timeout_s`. Its keys live under
+    `namespace` in the store: the attempt's secret (core/gangs.py), which a stranger reaching the
+    store's port cannot guess, so it cannot read or overwrite the addresses the ranks exchange."""
     leave_group(failed=True)  # an earlier attempt's group, if its teardown was cut short
     kwargs: dict[str, Any] = {}
     if device.type == "cuda":
@@ -104,7 +164,7 @@ def init_group(store: dist.Store, attempt: str, rank: int, world_size: int, devi
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         torch.cuda.set_device(device)
         kwargs["device_id"] = device  # the communicator is formed now, inside the rendezvous
-    dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"torchyard/{attempt}", store), rank=rank,
+    dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"torchyard/{namespace}", store), rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
 
 

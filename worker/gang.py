@@ -8,8 +8,9 @@ attempt and sent `torchyard.train(job, token, seat)` to this device's queue. The
 2. **Rank 0** claims the job like any delivery (JobStore.claim: `running`, an attempt counted, a
    lease only it renews) and runs the training handler with the job's fenced delivery: it opens
    the rendezvous store on this worker's advertised address and starts the gang record with that
-   address (worker/gang_training.py). **Other ranks** wait until the record says the gang runs
-   (or the attempt vanishes), then run the same handler without any way to write the job.
+   address and the attempt's secret (worker/gang_training.py). **Other ranks** wait until the
+   record says the gang runs (or the attempt vanishes), then run the same handler without any way
+   to write the job.
 3. Every rank loads its data and plan, marks itself ready and waits for all ranks (polling Redis:
    a rank whose worker's heartbeat lapses meanwhile, or that reports a failure, ends the attempt),
    then joins the process group and trains.
@@ -35,14 +36,12 @@ from core.schemas import EpochMetrics, Job, JobStatus, Progress
 from worker.cpu_threads import run_in_own_thread
 from worker.data import DatasetUnavailable
 from worker.delivery import ride_out_outage
-from worker.distributed import is_collective_failure
+from worker.distributed import RendezvousServer, is_collective_failure
 from worker.job_context import JobContext, JobFailed, JobReporter, StopJob
 from worker.trainer import NonFiniteLoss
 
 if TYPE_CHECKING:
     from pathlib import Path
-
-    import torch.distributed as dist
 
     from worker.job_runner import JobRunner
 
@@ -91,7 +90,8 @@ class Rank:
     should_stop: Callable[[], str | None]
     ctx: JobContext | None = None  # rank 0's: the job's fenced writes; None for the others
     address: str | None = None  # rank 0's rendezvous store, "<host>:<port>"
-    store: dist.TCPStore | None = field(default=None, repr=False)  # rank 0's own
+    secret: str | None = field(default=None, repr=False)  # the attempt's namespace in that store
+    rendezvous: RendezvousServer | None = field(default=None, repr=False)  # rank 0's store, while it runs
 
     @property
     def leader(self) -> bool:
@@ -278,7 +278,7 @@ class GangMember:
             log.info("job %s: rank %d leaves: its attempt ended before rank 0 started it", job_id, seat.rank)
             return
         rank = Rank(runner, self.records, job_id, token, seat, members, lambda: self._follower_stop(job_id, token),
-                    address=gang.address)
+                    address=gang.address, secret=gang.secret)
         runner.state.begin(job_id, token, leased=False)
         try:
             job = runner.store.get(job_id)
@@ -321,7 +321,7 @@ class GangMember:
             gang = self.records.read(job_id)
             if gang is None or gang.attempt != seat.attempt:
                 return None
-            if gang.running and gang.address:
+            if gang.running and gang.address and gang.secret:
                 return gang
             time.sleep(POLL_S)
         return None

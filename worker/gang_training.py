@@ -2,19 +2,21 @@
 (worker/kinds/train.py, worker/trainer.py) under a `GangPlacement` (worker/distributed.py).
 
 Every rank:
-- rank 0 opens the rendezvous store on its worker's advertised address, starts the gang record
-  with that address and records the attempt's `ranks` in the job; the others got the address
-  before they started (worker/gang.py);
+- rank 0 opens the rendezvous store on its worker's advertised address (that address only), starts
+  the gang record with that address and a fresh secret (the store keys' namespace) and records the
+  attempt's `ranks` in the job; the others got both before they started (worker/gang.py);
 - loads the inputs and plans; rank 0 records the classes and its device choices in the job (the
   batch and schedule an earlier attempt ran kept), and the others take rank 0's batch, schedule
   and precision (autocast dtype, gradient scaler: they must step alike);
 - marks itself ready, waits for every rank, joins the process group (gloo on CPUs, NCCL on GPUs,
   its timeout the gang's) and trains; rank 0 alone writes checkpoints and the job's state;
-- leaves the process group, however training ended (aborted after a failure).
+- leaves the process group, however training ended (aborted after a failure); rank 0 then closes
+  the store, so its port is open only while the attempt forms and trains.
 """
 
 from __future__ import annotations
 
+import secrets
 import tempfile
 from pathlib import Path
 
@@ -22,12 +24,12 @@ from core.jobs import NotOwner
 from core.schemas import GangRank, Job
 from worker.distributed import (
     GangPlacement,
+    RendezvousServer,
     bind_interfaces,
     init_group,
     is_collective_failure,
     join_store,
     leave_group,
-    open_store,
 )
 from worker.gang import FollowerReporter, GangBroken, LeaderReporter, Rank
 from worker.job_context import JobOutcome, JobReporter, StopJob
@@ -36,7 +38,8 @@ from worker.trainer import Trainer, plan_training
 
 
 def run_gang_training(job: Job, rank: Rank) -> JobOutcome | None:
-    """Train `job` as `rank`; rank 0 returns the job's outcome, the others None."""
+    """Train `job` as `rank`; rank 0 returns the job's outcome, the others None. Rank 0's store is
+    closed when this returns or raises, however the attempt ended."""
     try:
         return _train(job, rank)
     except (StopJob, NotOwner):
@@ -45,6 +48,10 @@ def run_gang_training(job: Job, rank: Rank) -> JobOutcome | None:
         if rank.leader and (isinstance(exc, GangBroken) or is_collective_failure(exc)):
             raise rank.fault(exc) from exc
         raise
+    finally:
+        if rank.rendezvous is not None:
+            rank.rendezvous.close()
+            rank.rendezvous = None
 
 
 def _train(job: Job, rank: Rank) -> JobOutcome | None:
@@ -54,8 +61,9 @@ def _train(job: Job, rank: Rank) -> JobOutcome | None:
     address = settings.resolved_advertise_address()
     bind_interfaces(address)
     if ctx is not None:
-        rank.store, port = open_store(address, settings.rendezvous_port, timeout_s)
-        if not rank.records.start(job.id, rank.seat.attempt, f"{address}:{port}"):
+        rank.rendezvous = RendezvousServer(address, settings.rendezvous_port, timeout_s)
+        rank.address, rank.secret = rank.rendezvous.address, secrets.token_hex(16)
+        if not rank.records.start(job.id, rank.seat.attempt, rank.address, rank.secret):
             raise GangBroken("its reservation lapsed before rank 0 started it")
         ranks = [GangRank(rank=m.rank, device=m.device, worker=m.worker).model_dump() for m in rank.members]
         devices = ", ".join(m.device for m in rank.members)
@@ -93,10 +101,10 @@ def _train(job: Job, rank: Rank) -> JobOutcome | None:
 
     rank.records.ready(job.id, rank.seat)
     rank.wait_ready(set(range(rank.world_size)))
-    store = rank.store if rank.store is not None else join_store(str(rank.address), timeout_s)
     failed = True
     try:
-        init_group(store, rank.seat.attempt, rank.seat.rank, rank.world_size, inputs.device, timeout_s)
+        init_group(join_store(str(rank.address), timeout_s), str(rank.secret), rank.seat.rank, rank.world_size,
+                   inputs.device, timeout_s)
         trainer = Trainer(plan, inputs.data, final_path=final_path, resume_from=resume_from, resume_to=resume_to,
                           reporter=reporter, should_stop=rank.should_stop, dataset=job.dataset, initial=inputs.initial,
                           resize_size=inputs.resize,

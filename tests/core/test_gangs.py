@@ -1,7 +1,9 @@
 """Gang reservation against a real Redis and the real dispatcher (Celery messages in kombu's lists):
 a data-parallel job's ranks are reserved all at once or not at all, two gangs never split the
 devices between them, a reserved device refuses single-device jobs, a reservation that lapses
-frees its devices and its late messages run nothing, an elastic job resumes on what is free."""
+frees its devices and its late messages run nothing, an elastic job resumes on what is free; the
+oldest waiting gang holds free devices and the busy ones for when their job ends, lets go of what
+it does not use, and the slot scripts decide as core/gang_policy.py does."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ import pytest
 import redis
 
 from core import keys
+from core.clock import redis_now
 from core.config import Settings
 from core.devices import DeviceRegistry
 from core.errors import InvalidInput
+from core.gang_policy import read_slot, single_may_start
 from core.gang_scheduler import GangScheduler
 from core.gangs import DeviceSlots, GangRecords, Seat, check_world_size
 from core.jobs import JobStore
@@ -149,7 +153,10 @@ def test_a_reserved_device_refuses_single_jobs_and_a_lapsed_reservation_runs_not
     assert store.get(job_id).status is JobStatus.queued
 
 
-def test_the_oldest_waiting_gang_holds_free_devices_so_single_jobs_cannot_starve_it(cluster: dict) -> None:
+def test_a_device_busy_when_a_gang_waits_is_held_for_it_once_its_job_ends(cluster: dict) -> None:
+    """The oldest waiting gang holds the free device at once and the busy one for when its job ends:
+    that job's release holds it, so the next single-device job in the queue does not take it (before,
+    the release freed it and the next single job took it at once: a backlog starved the gang)."""
     store, client, scheduler = cluster["store"], cluster["client"], cluster["scheduler"]
     for device in ("a/cpu", "b/cpu"):
         _device(cluster["registry"], device)
@@ -159,13 +166,89 @@ def test_the_oldest_waiting_gang_holds_free_devices_so_single_jobs_cannot_starve
     younger, _ = _gang_job(store)
     too_big, _ = _gang_job(store, world_size=3)  # more than the live devices: it holds nothing
     assert scheduler.run_once() == []
-    assert client.hgetall(keys.device_slot("b/cpu")) | {"deadline": ""} == {"state": "held", "job": oldest,
-                                                                            "deadline": ""}
+    assert client.hgetall(keys.device_slot("b/cpu")) | {"deadline": "", "entry": ""} == {
+        "state": "held", "job": oldest, "deadline": "", "entry": ""}
     assert not b.take_for_job("single-2", "t")  # given back to its queue: the gang's device
     a.release("single-1", "t")
+    assert a.state()["state"] == "held"
+    assert not a.take_for_job("single-3", "t")  # the next single job in the queue does not take it
     assert scheduler.run_once() == [oldest]
     assert {m.device for m in GangRecords(client).read(oldest).members} == {"a/cpu", "b/cpu"}  # type: ignore[union-attr]
     assert GangRecords(client).read(younger) is None and GangRecords(client).read(too_big) is None
+
+
+def test_a_gang_lets_go_of_what_it_no_longer_needs(cluster: dict) -> None:
+    """Placed, a gang lets go at once of the devices it held and does not use; cancelled, its holds
+    bind nobody from the next pass on; a gang that no longer holds has its holds dropped."""
+    store, client, scheduler = cluster["store"], cluster["client"], cluster["scheduler"]
+    for device in ("a/cpu", "b/cpu", "c/cpu"):
+        _device(cluster["registry"], device)
+    a, b, c = (DeviceSlots(client, d) for d in ("a/cpu", "b/cpu", "c/cpu"))
+    assert a.take_for_job("single-a", "t") and b.take_for_job("single-b", "t")
+    gang, _ = _gang_job(store)
+    assert scheduler.run_once() == []
+    assert c.state()["state"] == "held"
+    a.release("single-a", "t")
+    assert a.state()["state"] == "held"  # with c, enough
+    assert scheduler.run_once() == [gang]
+    b.release("single-b", "t")  # b was held for it too, for when its job ended: let go at once
+    assert b.take_for_job("single-b2", "t")  # so its release frees it for the next single job
+
+    waiting, _ = _gang_job(store, world_size=3)
+    assert scheduler.run_once() == []  # a and c reserved for `gang`, b busy: all three promised to it
+    record = GangRecords(client).read(gang)
+    assert record is not None
+    for slot in (a, c):
+        slot.release(gang, record.token, record.attempt)  # the ranks end: held for `waiting`
+        assert slot.state()["state"] == "held"
+    assert scheduler.run_once() == []  # b is still busy
+    store.request_cancel(waiting)
+    scheduler.run_once()  # it no longer waits: what it held is let go
+    for slot in (a, c):
+        assert slot.take_for_job("after-cancel", "t"), slot.state()
+    b.release("single-b2", "t")
+    assert b.state() == {}
+
+
+def test_the_slot_scripts_decide_as_the_policy_does(cluster: dict) -> None:
+    """Starting a single-device job (refused or not) and ending a task (free, or held for the gang it
+    was promised to), by the Lua scripts, against core/gang_policy.read_slot and single_may_start."""
+    client = cluster["client"]
+    client.zadd(keys.GANGS_WAITING, {"gang.t": 0})
+    now = redis_now(client)
+    future, past = f"{now + 60:.6f}", f"{now - 1:.6f}"
+    slots = {
+        "empty": {},
+        "busy": {"state": "busy", "job": "x", "token": "t"},
+        "reserved": {"state": "reserved", "job": "gang", "deadline": future},
+        "reserved, lapsed": {"state": "reserved", "job": "gang", "deadline": past},
+        "held": {"state": "held", "job": "gang", "entry": "gang.t", "deadline": future},
+        "held, lapsed": {"state": "held", "job": "gang", "entry": "gang.t", "deadline": past},
+        "held, its gang gone": {"state": "held", "job": "gone", "entry": "gone.t", "deadline": future},
+        "held, by an older worker": {"state": "held", "job": "gang", "deadline": future},
+    }
+    for name, raw in slots.items():
+        device = f"take-{len(name)}-{name.replace(' ', '')}/cpu"
+        if raw:
+            client.hset(keys.device_slot(device), mapping=raw)
+        expected = single_may_start(read_slot(device, raw, redis_now(client), {"gang.t"}))
+        assert DeviceSlots(client, device).take_for_job("single", "s") == expected, name
+    promises = {
+        "promised": {"hold_job": "gang", "hold_entry": "gang.t", "hold_deadline": future},
+        "promise lapsed": {"hold_job": "gang", "hold_entry": "gang.t", "hold_deadline": past},
+        "promised to a gang gone": {"hold_job": "gone", "hold_entry": "gone.t", "hold_deadline": future},
+        "not promised": {},
+    }
+    for name, promise in promises.items():
+        device = f"release-{name.replace(' ', '')}/cpu"
+        raw = {"state": "busy", "job": "x", "token": "t", **promise}
+        client.hset(keys.device_slot(device), mapping=raw)
+        view = read_slot(device, raw, redis_now(client), {"gang.t"})
+        DeviceSlots(client, device).release("x", "t")
+        after = client.hgetall(keys.device_slot(device))
+        assert (after.get("state") == "held") == bool(view.promised), name
+        assert after == ({"state": "held", "job": "gang", "entry": "gang.t", "deadline": future}
+                         if view.promised else {}), name
 
 
 def test_an_elastic_job_resumes_on_what_is_free_and_rank_zero_goes_where_it_was_asked(cluster: dict) -> None:

@@ -12,6 +12,10 @@ loopback (TORCHYARD_ADVERTISE_ADDRESS=127.0.0.1).
   times out, the job resumes on the other worker alone (its global batch kept: its weights still
   match the one-device run); the frozen one, woken, changes nothing.
 Each: the job succeeds once, every epoch recorded once, the checkpoint matches its sha256.
+- rank 0's rendezvous store listens on the advertised address only (another address of this host
+  is refused) and its port is closed once the job ended, succeeded or cancelled;
+- a backlog of single-device jobs on both workers does not starve a gang submitted behind it: the
+  gang runs before the backlog drains (by the order of the jobs' events, never by wall-clock time).
 """
 
 from __future__ import annotations
@@ -24,9 +28,20 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import redis
 import torch
 
-from tests.support import assert_ran_once, job_events, pattern_png, two_hosts, wait_for_job, wait_until
+from core import keys
+from tests.support import (
+    assert_ran_once,
+    connects,
+    job_events,
+    pattern_png,
+    read_sse,
+    two_hosts,
+    wait_for_job,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -98,6 +113,27 @@ def _in_epoch(client: httpx.Client, job_id: str, epoch: int) -> dict:
     return wait_until(there, timeout=240, interval=0.05, what=f"job {job_id} inside epoch {epoch}")
 
 
+def _store_address(cluster: dict, job_id: str) -> tuple[str, int]:
+    """Where rank 0's store of the job's running attempt listens (its gang record, in Redis)."""
+    client = redis.Redis.from_url(cluster["url"], decode_responses=True)
+    try:
+        address = client.hget(keys.gang(job_id), "address")
+    finally:
+        client.close()
+    assert address, f"job {job_id} has no running gang"
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def _started(client: httpx.Client, job_id: str) -> tuple[int, int]:
+    """The id of the job's first `running` event: Redis stream ids order events of every job by Redis's clock."""
+    ids = [event_id for event_id, kind, data in read_sse(client, job_id)
+           if kind == "status" and data.get("status") == "running"]
+    assert ids, f"job {job_id} never ran"
+    ms, _, seq = ids[0].partition("-")
+    return int(ms), int(seq)
+
+
 @pytest.fixture(scope="module")
 def reference(gangs: dict) -> dict:
     """SPEC on one device: what every gang run of SPEC must match."""
@@ -124,9 +160,11 @@ def test_a_two_rank_job_trains_like_one_device(gangs: dict, reference: dict) -> 
     assert {r["worker"] for r in ranks} == {"cpu@h1", "cpu@h2"} and running["device"] == ranks[0]["device"]
     busy = {d["id"]: d for d in client.get("/devices").json()["devices"]}
     assert all(busy[r["device"]]["status"] == "busy" and busy[r["device"]]["current_job"] == job_id for r in ranks)
+    store = _store_address(gangs, job_id)
 
     done = wait_for_job(client, job_id, TERMINAL, timeout=600)
     assert done["status"] == "succeeded" and done["attempts"] == 1, done
+    assert not connects(*store), "rank 0's store still listens after the job succeeded"
     assert_ran_once(client, done, SPEC["epochs"])
     _assert_same_metrics(done["metrics"], reference["job"]["metrics"])
     difference = _max_difference(_weights(client, done), reference["weights"])
@@ -158,6 +196,27 @@ def test_a_two_rank_job_trains_like_one_device(gangs: dict, reference: dict) -> 
                             timeout=240)
     assert diverged["status"] == "failed" and diverged["attempts"] == 1, diverged
     assert "loss" in diverged["error"] and any(w in diverged["error"] for w in ("nan", "inf")), diverged["error"]
+    _wait_idle(gangs, timeout=60)
+
+
+def test_rank_zeros_store_listens_on_the_advertised_address_only_and_closes_with_the_job(gangs: dict) -> None:
+    """The workers advertise 127.0.0.1. torch's TCPStore given a port alone listens on every
+    interface: any address of the host reached it (127.0.0.2 stands here for the host's other
+    addresses, which this test may not send to). Now only the advertised one does, and only while
+    the attempt runs."""
+    client = gangs["client"]
+    _wait_idle(gangs)
+    job_id = _submit(client, world_size=2, epochs=20, batch_size=8)
+    wait_until(lambda: (j := _job(client, job_id))["status"] == "running" and j["progress"]["step"] > 0,
+               timeout=240, interval=0.1, what="the gang running")
+    host, port = _store_address(gangs, job_id)
+    assert host == "127.0.0.1"
+    assert connects(host, port)  # the store is there, for the ranks
+    assert not connects("127.0.0.2", port), "rank 0's store answers on an address it was not advertised on"
+    assert not connects("::1", port)
+    assert client.post(f"/jobs/{job_id}/cancel").status_code == 202
+    assert wait_for_job(client, job_id, TERMINAL, timeout=120)["status"] == "cancelled"
+    assert not connects(host, port), "rank 0's store still listens after the job was cancelled"
     _wait_idle(gangs, timeout=60)
 
 
@@ -227,3 +286,26 @@ def test_sigstop_of_rank_zero_past_its_lease_resumes_elastically(gangs: dict, re
     assert _job(client, job_id) == done and job_events(client, job_id) == events
     job_dir = gangs["data_dir"] / "checkpoints" / job_id
     assert sorted(p.name for p in job_dir.iterdir()) == ["model.pt"]
+
+
+def test_a_backlog_of_single_jobs_does_not_starve_a_gang(gangs: dict) -> None:
+    """Both workers busy with a queue of single-device jobs behind them, then a 2-rank job: each
+    device, once its job in hand ends, is held for the gang instead of taking the next one, so the
+    gang runs while single jobs still wait (before, it waited for the queue to drain: a device was
+    free only for the moment between two of its jobs)."""
+    client = gangs["client"]
+    _wait_idle(gangs)
+    singles = [_submit(client) for _ in range(6)]
+    wait_until(lambda: sum(_job(client, j)["status"] == "running" for j in singles) == 2, timeout=240,
+               interval=0.05, what="both workers busy with single jobs")
+    gang = _submit(client, world_size=2, epochs=1)
+    done = wait_for_job(client, gang, TERMINAL, timeout=600)
+    assert done["status"] == "succeeded" and done["attempts"] == 1, done
+    for job_id in singles:
+        assert wait_for_job(client, job_id, TERMINAL, timeout=600)["status"] == "succeeded"
+    gang_started = _started(client, gang)
+    after = [job_id for job_id in singles if _started(client, job_id) > gang_started]
+    # Two were running when the gang came; at most one more each may start before the first
+    # scheduler pass sees the gang; every other one waits for it.
+    print(f"single jobs started after the gang: {len(after)} of {len(singles)}")
+    assert len(after) >= 2, f"only {len(after)} of {len(singles)} single jobs started after the gang"

@@ -2,11 +2,13 @@
 rendezvous store of worker/distributed.py, each running the trainer's own step (worker/train_step.py)
 on its shard of every global batch (batch norm over the global batch, the augmentation drawn for
 the whole batch, losses weighted by unequal shares, a batch that leaves one rank empty), against
-the same steps on one process with torch's own BatchNorm."""
+the same steps on one process with torch's own BatchNorm. Rank 0's store listens on its address
+only, refuses what torch lets it refuse, and its port closes when it is closed."""
 
 from __future__ import annotations
 
 import contextlib
+import socket
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,15 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-from tests.support import free_port
-from worker.distributed import GangPlacement, init_group, is_collective_failure, join_store, leave_group, open_store
+from tests.support import connects, free_port
+from worker.distributed import (
+    GangPlacement,
+    RendezvousServer,
+    init_group,
+    is_collective_failure,
+    join_store,
+    leave_group,
+)
 from worker.evaluation import measure
 from worker.staging import ResidentBatches
 from worker.train_step import OneDevice, StepRunner
@@ -63,8 +72,8 @@ def _train(placement, model: nn.Module) -> tuple[list[float], object]:
 
 def _rank(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
-    store = open_store("127.0.0.1", port, 20)[0] if rank == 0 else join_store(f"127.0.0.1:{port}", 20)
-    init_group(store, "test", rank, WORLD_SIZE, torch.device("cpu"), 20)
+    server = RendezvousServer("127.0.0.1", port, 20) if rank == 0 else None
+    init_group(join_store(f"127.0.0.1:{port}", 20), "test", rank, WORLD_SIZE, torch.device("cpu"), 20)
     try:
         model = _model()
         losses, measured = _train(GangPlacement(rank, WORLD_SIZE, torch.device("cpu")), model)
@@ -73,6 +82,8 @@ def _rank(rank: int, port: int, out: str) -> None:
                    Path(out) / f"{rank}.pt")
     finally:
         leave_group(failed=False)
+        if server is not None:
+            server.close()
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +118,33 @@ def test_what_a_peer_leaving_raises_is_recognised() -> None:
                                               "for recv operation to complete"))
     assert not is_collective_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x5)"))
     assert not is_collective_failure(ValueError("gloo"))
+
+
+def test_the_store_listens_on_its_address_only_and_its_port_closes_with_it() -> None:
+    """torch's TCPStore given a port alone listens on every interface; ours on the advertised address,
+    so another address of this host (127.0.0.2, ::1) is refused; a client still open (as the process
+    group holds one) does not keep the port open once the server is closed."""
+    server = RendezvousServer("127.0.0.1", free_port(), 5)
+    port = server.port
+    assert server.address == f"127.0.0.1:{port}"
+    client = join_store(server.address, 5)
+    client.set("rank0", b"here")
+    assert client.get("rank0") == b"here"
+    assert connects("127.0.0.1", port)
+    assert not connects("127.0.0.2", port) and not connects("::1", port)
+    if server.bounds_messages:  # libuv: what no rank sends (a value over 8 MiB) closes the connection
+        with pytest.raises(torch.distributed.DistError, match=r"(?i)reset|closed|broken"):
+            join_store(server.address, 5).set("big", b"x" * (9 << 20))
+    server.close()
+    assert not connects("127.0.0.1", port)
+    del client
+
+
+def test_the_store_takes_the_next_port_when_its_first_is_taken() -> None:
+    first = free_port()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", first))
+        taken.listen()
+        with RendezvousServer("127.0.0.1", first, 5) as server:
+            assert server.port != first and connects("127.0.0.1", server.port)
+        assert not connects("127.0.0.1", server.port)
