@@ -225,6 +225,31 @@ def test_host_and_origin_guards(guarded_api: dict) -> None:
     assert httpx.get(f"{base}/jobs", headers={**auth, "Origin": "http://attacker.example"}).status_code == 200
 
 
+def test_an_app_served_beyond_loopback_another_way_still_checks_host(redis_base_url: str, tmp_path: Path) -> None:
+    """`torchyard api` refuses a non-loopback bind without TORCHYARD_ALLOWED_HOSTS; an app served
+    another way (uvicorn's own command, as a deployment might) skipped that check, and the gate then
+    served any Host: a DNS-rebinding page reached it. Now such a bind serves localhost names only."""
+    import os
+
+    port = free_port()
+    env = {**os.environ, "TORCHYARD_REDIS_URL": with_db(redis_base_url, 15), "TORCHYARD_DATA_DIR": str(tmp_path),
+           "TORCHYARD_HOST": "0.0.0.0", "TORCHYARD_PORT": str(port), "TORCHYARD_API_KEY": KEY,
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("TORCHYARD_ALLOWED_HOSTS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--host", "0.0.0.0",
+                             "--port", str(port)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    base, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"}
+    try:
+        wait_until(lambda: httpx.get(f"{base}/healthz").status_code == 200, timeout=60, what="the API")
+        rebound = httpx.get(f"{base}/jobs", headers={**auth, "Host": f"attacker.example:{port}"})
+        assert rebound.status_code == 400 and "TORCHYARD_ALLOWED_HOSTS" in rebound.json()["detail"], rebound.text
+        assert httpx.get(f"{base}/jobs", headers={**auth, "Host": f"localhost:{port}"}).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def _start_api(env: dict[str, str], *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "app.cli", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
