@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.support import REPO, Processes, flush, free_port, wait_until, with_db
+from tests.support import REPO, Processes, flush, free_port, read_until_closed, wait_until, with_db
 
 pytestmark = pytest.mark.e2e
 
@@ -49,14 +49,7 @@ def guarded_api(redis_base_url: str, tmp_path_factory: pytest.TempPathFactory) -
 
 def _read_response(sock: socket.socket, timeout: float = 10.0) -> tuple[int, dict, bytes]:
     """Status, headers and body of one response (the server closes the connection after it)."""
-    sock.settimeout(timeout)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except (ConnectionResetError, TimeoutError):
-        pass
-    head, _, body = data.partition(b"\r\n\r\n")
+    head, _, body = read_until_closed(sock, timeout).partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
     return int(lines[0].split(" ")[1]), {k.lower(): v for k, v in headers.items()}, body
@@ -285,13 +278,7 @@ def test_an_unfinished_chunked_body_gets_one_408_with_one_connection_header(guar
     sock = socket.create_connection(("127.0.0.1", guarded_api["port"]))
     sock.sendall(b"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
                  b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
-    sock.settimeout(20)
-    raw = b""
-    try:
-        while chunk := sock.recv(65536):
-            raw += chunk
-    except (ConnectionResetError, TimeoutError):
-        pass
+    raw = read_until_closed(sock, 20)
     sock.close()
     head = raw.partition(b"\r\n\r\n")[0].decode("latin-1").lower().split("\r\n")
     assert head[0].split(" ")[1] == "408", raw
