@@ -144,8 +144,13 @@ class Settings(BaseSettings):
     predict_memory_budget_bytes: int = Field(
         default=512 * 1024**2, ge=1024,
         description="Bytes of /predict bodies one API process holds at once (received and waiting for their "
-                    "answer); a request that would go past it is refused with 503 and Retry-After. At least "
-                    "TORCHYARD_MAX_PREDICT_REQUEST_BYTES.")
+                    "answer), counted as they arrive; a request that would go past it is refused with 503 and "
+                    "Retry-After. At least TORCHYARD_MAX_PREDICT_REQUEST_BYTES.")
+    predict_memory_per_client_bytes: int | None = Field(
+        default=None, ge=0,
+        description="Bytes of that budget the requests of one client address may hold (503 and Retry-After past "
+                    "it). Unset: the budget less one largest request, and at least one, so one address cannot "
+                    "keep another's request out; 0: no cap per address (behind a proxy that forwards none).")
     max_upload_bytes: int = Field(default=1024**3, ge=1)
     max_zip_entries: int = Field(default=200_000, ge=1)
     max_zip_uncompressed_bytes: int = Field(default=4 * 1024**3, ge=1)
@@ -260,6 +265,9 @@ class Settings(BaseSettings):
     def _a_largest_request_fits_the_budget(self) -> Settings:
         if self.predict_memory_budget_bytes < self.max_predict_request_bytes:
             raise ValueError("TORCHYARD_PREDICT_MEMORY_BUDGET_BYTES must be at least TORCHYARD_MAX_PREDICT_REQUEST_BYTES")
+        if self.predict_memory_per_client_bytes and self.predict_memory_per_client_bytes < self.max_predict_request_bytes:
+            raise ValueError("TORCHYARD_PREDICT_MEMORY_PER_CLIENT_BYTES must be 0 or at least "
+                             "TORCHYARD_MAX_PREDICT_REQUEST_BYTES")
         return self
 
     @property
@@ -298,6 +306,13 @@ class Settings(BaseSettings):
     def hub_dir(self) -> Path:
         """torch.hub's cache for pretrained weights (<hub_dir>/checkpoints/<file>): read by workers only."""
         return self.data_dir / "hub"
+
+    @property
+    def predict_memory_per_client_limit(self) -> int:
+        """What one client address may hold of the /predict budget; 0: no cap of its own."""
+        if self.predict_memory_per_client_bytes is not None:
+            return self.predict_memory_per_client_bytes
+        return max(self.predict_memory_budget_bytes - self.max_predict_request_bytes, self.max_predict_request_bytes)
 
     @property
     def request_body_limit(self) -> int:

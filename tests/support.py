@@ -60,6 +60,18 @@ def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: st
     raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
+def read_until_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
+    """What a server sent on `sock` until it closed it (or until `timeout` passed without a byte)."""
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return data
+
+
 def flush(url: str) -> None:
     client = redis.Redis.from_url(url)
     client.flushdb()

@@ -8,7 +8,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import NoScriptError
+
+from core.redis import execute_once
 
 
 @dataclass(frozen=True)
@@ -22,7 +24,9 @@ class _ScriptCall:
 class CoalescedScripts:
     """Lua scripts of concurrent callers, sent to Redis together: every call made in one turn of
     the event loop goes in one pipeline of EVALSHAs (not a transaction: each script is atomic on
-    its own, exactly as when it is sent alone, and answers its own caller, errors included).
+    its own, exactly as when it is sent alone, and answers its own caller, errors included). The
+    pipeline is written once and never retried (core/redis.execute_once): its scripts queue the
+    requests' bodies, and a retry of a write that had reached Redis would queue them again.
 
     Why: one command on redis-py's asyncio client costs this process more than the rest of a
     prediction's Redis work (a pooled connection taken and given back, the send and the read each
@@ -30,13 +34,14 @@ class CoalescedScripts:
     answers from the worker releases its clients together, and they send their next requests
     together, so one pipeline carries a burst for about the price of one command (counted with
     callgrind by bench/api_instructions.py; docs/benchmarks.md). A lone request pays a `call_soon`
-    and a task more than a direct call.
+    and a task more than a direct call, and its script goes alone, as a plain EVALSHA.
     """
 
     def __init__(self, client: aioredis.Redis) -> None:
         self.redis = client
         self._pending: list[_ScriptCall] = []
         self._sending: set[asyncio.Task[None]] = set()  # referenced until done (the loop keeps weak refs)
+        self._loaded: set[str] = set()  # the scripts this process has loaded (Redis may forget them: NOSCRIPT)
 
     async def run(self, script: AsyncScript, keys: list[str], args: list[Any]) -> Any:
         loop = asyncio.get_running_loop()
@@ -74,12 +79,12 @@ class CoalescedScripts:
                     call.result.cancel()
 
     async def _evaluate(self, calls: list[_ScriptCall]) -> list[Any]:
-        if len(calls) == 1:  # alone in its turn: a plain EVALSHA costs less than a pipeline of one
-            try:
-                return [await calls[0].script(keys=calls[0].keys, args=calls[0].args)]
-            except ResponseError as exc:  # the script's own error, for its caller alone
-                return [exc]
-        results = await self._pipeline(calls)
+        # Loaded before its first use, rather than on a NOSCRIPT: the calls carry requests' bodies,
+        # which would otherwise be sent to this Redis twice.
+        for script in {call.script.sha: call.script for call in calls if call.script.sha not in self._loaded}.values():
+            await self.redis.script_load(script.script)
+            self._loaded.add(script.sha)
+        results = await self._execute(calls)
         # Redis restarted (or its script cache was flushed): those scripts did not run; load them and
         # run them again (redis-py's own pipeline would ask SCRIPT EXISTS before every pipeline).
         # The others ran: whatever happens to the second try is only the missing calls' answer.
@@ -88,15 +93,15 @@ class CoalescedScripts:
             try:
                 for script in {calls[i].script.sha: calls[i].script for i in missing}.values():
                     await self.redis.script_load(script.script)
-                again: list[Any] = await self._pipeline([calls[i] for i in missing])
+                again: list[Any] = await self._execute([calls[i] for i in missing])
             except Exception as exc:
                 again = [exc] * len(missing)
             for i, result in zip(missing, again, strict=True):
                 results[i] = result
         return results
 
-    async def _pipeline(self, calls: list[_ScriptCall]) -> list[Any]:
-        pipe = self.redis.pipeline(transaction=False)
-        for call in calls:
-            pipe.evalsha(call.script.sha, len(call.keys), *call.keys, *call.args)
-        return list(await pipe.execute(raise_on_error=False))
+    async def _execute(self, calls: list[_ScriptCall]) -> list[Any]:
+        """One EVALSHA per call, in one write, never retried (core/redis.execute_once): a script
+        queues a request's whole body, which must reach its list once, however long it takes."""
+        return await execute_once(self.redis, [("EVALSHA", call.script.sha, len(call.keys), *call.keys, *call.args)
+                                               for call in calls])

@@ -5,8 +5,8 @@ Why a pure-ASGI layer and not FastAPI dependencies: FastAPI reads (and parses, a
 disk) a request's body before it runs a route's dependencies, so a key checked in a dependency
 is checked after a 300 MiB body has been received (issue #13: measured). Here, in order:
 
-1. Host (400): on a loopback bind only localhost names and TORCHYARD_ALLOWED_HOSTS are served,
-   so a web page cannot reach a local `make run` through DNS rebinding.
+1. Host (400): only localhost names, the bind address and TORCHYARD_ALLOWED_HOSTS are served
+   ('*' there: any), on every bind, so a web page cannot reach the server through DNS rebinding.
 2. Origin (403): a browser's state-changing request (POST, PUT, PATCH, DELETE) from another
    origin is refused; the dashboard is same-origin; TORCHYARD_ALLOWED_ORIGINS adds others.
 3. API key (401 with `WWW-Authenticate: Bearer`), unless the route is open (ROUTES).
@@ -110,13 +110,16 @@ class RouteTable:
 
 
 class HostCheck:
-    """DNS rebinding: a page on evil.example whose name now resolves to 127.0.0.1 reaches a local
-    server with `Host: evil.example`. On a loopback bind only localhost names (and the configured
-    ones) are served; on another bind only when TORCHYARD_ALLOWED_HOSTS is set ('*': any)."""
+    """DNS rebinding: a page on evil.example whose name now resolves to the server's address reaches
+    it with `Host: evil.example`. Only localhost names, the bind address and TORCHYARD_ALLOWED_HOSTS
+    are served, on any bind; '*' in that list, said explicitly, serves any Host. `torchyard api`
+    and `up` refuse to start beyond loopback without the list (app/server.unsafe_bind_refusal);
+    an app served some other way (`uvicorn app.main:create_app --factory --host 0.0.0.0`) skips
+    that check, and still serves no other name."""
 
     def __init__(self, settings: Settings) -> None:
         names = settings.allowed_host_names
-        self.enforced = "*" not in names and (settings.binds_loopback or bool(names))
+        self.enforced = "*" not in names
         self.allowed = LOCAL_HOST_NAMES | {settings.host.strip("[]").lower()} | set(names)
         self._seen: dict[bytes, bool] = {}
 

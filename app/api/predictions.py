@@ -10,7 +10,9 @@ Requests travel on a Redis list per device (RPUSH here, BLPOP in the worker's in
 answer comes back to this process's inbox (app/api/reply_inbox.py), all over the API's async
 Redis client: no thread is parked per request. A request costs one script (it checks that the
 job succeeded and queues the request, atomically), and the scripts of the requests that arrive in
-one turn of the event loop go to Redis in one pipeline (app/api/coalesced_scripts.py). The
+one turn of the event loop go to Redis in one pipeline (app/api/coalesced_scripts.py), written
+once without a copy of the bodies and never retried (core/redis.execute_once), so a request is
+queued once however slow the link or late Redis's answer. The
 worker's reply body, which names the alias when one was asked for, is the HTTP body as is.
 
 A worker that dies holding requests (SIGKILL, OOM, a lost host) does not answer them, and the
@@ -51,6 +53,7 @@ from core.config import Settings
 from core.defaults import MAX_TOP_K, TOP_K
 from core.errors import Conflict, InvalidInput, NotFound, TooLarge, TorchyardError, Unavailable, UnsupportedMedia
 from core.images import IMAGE_FORMATS, IMAGE_FORMATS_TEXT, OPENED_FORMATS, ViewReader
+from core.redis import execute_once
 from core.schemas import Device, JobStatus
 from core.storage import validate_id
 from core.wire import PredictHeader, PredictReply, PredictRequest
@@ -146,7 +149,8 @@ class _InFlight:
     payload_end: int  # the body's length in the buffer, before the header
     job_id: str | None = None  # the job the message is framed for (an alias's, resolved)
     message: memoryview | None = None
-    holder: tuple[str, str] | None = None  # (device id, worker instance) whose list it went to; None: none yet
+    # (device id, worker instance) whose list it went to, or may have (its queueing's answer was lost); None: none
+    holder: tuple[str, str] | None = None
 
 
 class PredictionClient:
@@ -156,7 +160,7 @@ class PredictionClient:
         self.max_pixels = settings.max_image_pixels
         self.limits = FormLimits(max_images=settings.max_images_per_request, max_image_bytes=settings.max_image_bytes,
                                  max_body_bytes=settings.max_predict_request_bytes)
-        self.budget = BodyBudget(settings.predict_memory_budget_bytes)
+        self.budget = BodyBudget(settings.predict_memory_budget_bytes, settings.predict_memory_per_client_limit)
         self.live = LiveDevices(client, self.timeout_s)
         self._in_flight: dict[str, _InFlight] = {}
         self._watcher: asyncio.Task[None] | None = None
@@ -177,19 +181,10 @@ class PredictionClient:
 
     async def answer(self, request: Request) -> bytes:
         """POST /predict: the JSON body of a PredictResponse, as the worker wrote it."""
-        reservation = self.budget.reservation()
+        # Reserved as the bytes arrive, never for a declared length (app/api/body_budget.py says why).
+        reservation = self.budget.reservation(request.client.host if request.client else "")
         try:
-            declared = request.headers.get("content-length", "")
-            if declared.isdigit():  # the gate has checked it against the cap already
-                reservation.reserve_up_to(int(declared))
-            received = 0
-
-            def admit(chunk: int) -> None:
-                nonlocal received
-                received += chunk
-                reservation.reserve_up_to(received)
-
-            form = await read_predict_form(request, self.limits, self._check_image, on_bytes=admit)
+            form = await read_predict_form(request, self.limits, self._check_image, on_bytes=reservation.reserve)
             return await self.predict(PredictCall.from_form(form))
         finally:
             reservation.release()
@@ -268,7 +263,7 @@ class PredictionClient:
             if flight.holder is not None:
                 device_id = flight.holder[0]
                 # Not taken yet: no process computes it later. Taken: it died with its worker.
-                await self.redis.lrem(keys.predict_queue(device_id), 1, flight.message)
+                await self._take_back(device_id, flight)
                 flight.holder = None
                 gone[device_id] = gone.get(device_id, 0) + 1
             if not live or flight.answer.done() or self.live.clock.now() >= flight.deadline:
@@ -283,11 +278,18 @@ class PredictionClient:
                 continue
             if flight.request_id not in self._in_flight and flight.holder is not None:
                 # Its caller went away (answered by the first copy, or gone) while this one was sent.
-                await self.redis.lrem(keys.predict_queue(flight.holder[0]), 1, flight.message)
+                await self._take_back(flight.holder[0], flight)
         for device_id, count in gone.items():
             self.on_orphaned(count)
             log.warning("%d prediction request(s) held by the worker of %s, whose process is gone, sent again",
                         count, device_id)
+
+    async def _take_back(self, device_id: str, flight: _InFlight) -> None:
+        """Remove the request's message from the device's list, if it is still there: an LREM of its
+        exact bytes, written without a copy (core/redis.execute_once)."""
+        (removed,) = await execute_once(self.redis, [("LREM", keys.predict_queue(device_id), 1, flight.message)])
+        if isinstance(removed, Exception):
+            raise removed
 
     async def _resolve(self, alias: str) -> str:
         job_id = await self.redis.hget(keys.ALIASES, alias)
@@ -306,6 +308,10 @@ class PredictionClient:
         device = self._pick_device(job_id, live)
         message = self._frame(flight, job_id)
         alias = flight.call.alias
+        # Where the message may be from here on: should the script's answer be lost (a timeout, a broken
+        # connection), it may have run, and the watcher takes it back from there before sending it
+        # again, rather than leave a second copy on a list.
+        flight.holder = (device.id, self.live.holder(device.id) or "")
         if alias is None:
             status = await self._scripts.run(self._queue_if_succeeded, [keys.job(job_id), keys.predict_queue(device.id)],
                                              [JobStatus.succeeded.value, message])
@@ -313,8 +319,8 @@ class PredictionClient:
             status = await self._scripts.run(self._queue_if_alias_still_there,
                                              [keys.ALIASES, keys.job(job_id), keys.predict_queue(device.id)],
                                              [alias, job_id, JobStatus.succeeded.value, message])
-        if status == JobStatus.succeeded.value:
-            flight.holder = (device.id, self.live.holder(device.id) or "")
+        if status != JobStatus.succeeded.value:
+            flight.holder = None  # not queued
         return status
 
     @staticmethod

@@ -18,7 +18,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.support import REPO, Processes, flush, free_port, wait_until, with_db
+from tests.support import REPO, Processes, flush, free_port, read_until_closed, wait_until, with_db
 
 pytestmark = pytest.mark.e2e
 
@@ -49,14 +49,7 @@ def guarded_api(redis_base_url: str, tmp_path_factory: pytest.TempPathFactory) -
 
 def _read_response(sock: socket.socket, timeout: float = 10.0) -> tuple[int, dict, bytes]:
     """Status, headers and body of one response (the server closes the connection after it)."""
-    sock.settimeout(timeout)
-    data = b""
-    try:
-        while chunk := sock.recv(65536):
-            data += chunk
-    except (ConnectionResetError, TimeoutError):
-        pass
-    head, _, body = data.partition(b"\r\n\r\n")
+    head, _, body = read_until_closed(sock, timeout).partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
     return int(lines[0].split(" ")[1]), {k.lower(): v for k, v in headers.items()}, body
@@ -225,6 +218,31 @@ def test_host_and_origin_guards(guarded_api: dict) -> None:
     assert httpx.get(f"{base}/jobs", headers={**auth, "Origin": "http://attacker.example"}).status_code == 200
 
 
+def test_an_app_served_beyond_loopback_another_way_still_checks_host(redis_base_url: str, tmp_path: Path) -> None:
+    """`torchyard api` refuses a non-loopback bind without TORCHYARD_ALLOWED_HOSTS; an app served
+    another way (uvicorn's own command, as a deployment might) skipped that check, and the gate then
+    served any Host: a DNS-rebinding page reached it. Now such a bind serves localhost names only."""
+    import os
+
+    port = free_port()
+    env = {**os.environ, "TORCHYARD_REDIS_URL": with_db(redis_base_url, 15), "TORCHYARD_DATA_DIR": str(tmp_path),
+           "TORCHYARD_HOST": "0.0.0.0", "TORCHYARD_PORT": str(port), "TORCHYARD_API_KEY": KEY,
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("TORCHYARD_ALLOWED_HOSTS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--host", "0.0.0.0",
+                             "--port", str(port)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    base, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"}
+    try:
+        wait_until(lambda: httpx.get(f"{base}/healthz").status_code == 200, timeout=60, what="the API")
+        rebound = httpx.get(f"{base}/jobs", headers={**auth, "Host": f"attacker.example:{port}"})
+        assert rebound.status_code == 400 and "TORCHYARD_ALLOWED_HOSTS" in rebound.json()["detail"], rebound.text
+        assert httpx.get(f"{base}/jobs", headers={**auth, "Host": f"localhost:{port}"}).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def _start_api(env: dict[str, str], *args: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "app.cli", *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -260,13 +278,7 @@ def test_an_unfinished_chunked_body_gets_one_408_with_one_connection_header(guar
     sock = socket.create_connection(("127.0.0.1", guarded_api["port"]))
     sock.sendall(b"POST /jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
                  b"\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n5\r\n{\"a\":\r\n")
-    sock.settimeout(20)
-    raw = b""
-    try:
-        while chunk := sock.recv(65536):
-            raw += chunk
-    except (ConnectionResetError, TimeoutError):
-        pass
+    raw = read_until_closed(sock, 20)
     sock.close()
     head = raw.partition(b"\r\n\r\n")[0].decode("latin-1").lower().split("\r\n")
     assert head[0].split(" ")[1] == "408", raw

@@ -39,7 +39,14 @@ def test_host_check_on_loopback_and_other_binds() -> None:
     assert not loopback.allows(b"attacker.example") and not loopback.allows(b"10.0.0.1:8000")
     extra = HostCheck(Settings(_env_file=None, allowed_hosts="gpu-box,ML.example.com"))
     assert extra.allows(b"ml.example.com:8000") and extra.allows(b"gpu-box") and not extra.allows(b"other")
-    assert HostCheck(Settings(_env_file=None, host="0.0.0.0")).allows(b"anything")  # the key guards it there
+    # Beyond loopback too, whatever served the app: only the names said (`torchyard api` refuses to start
+    # without them; an app served another way serves localhost names alone), or any when '*' is said.
+    beyond = HostCheck(Settings(_env_file=None, host="0.0.0.0", api_key="k"))
+    assert not beyond.allows(b"anything") and not beyond.allows(b"attacker.example:8000")
+    assert beyond.allows(b"localhost:8000") and beyond.allows(b"127.0.0.1")
+    named = HostCheck(Settings(_env_file=None, host="0.0.0.0", allowed_hosts="gpu-box"))
+    assert named.allows(b"gpu-box:8000") and not named.allows(b"anything")
+    assert HostCheck(Settings(_env_file=None, host="0.0.0.0", allowed_hosts="*")).allows(b"anything")
     assert HostCheck(Settings(_env_file=None, allowed_hosts="*")).allows(b"anything")
 
 

@@ -255,7 +255,7 @@ def _connections_named(sync: redis.Redis, name: str) -> int:
 
 def test_the_scripts_of_one_turn_go_in_one_pipeline_and_answer_their_own_callers(clean_redis_url: str) -> None:
     """32 callers at once: one connection carries all 32 scripts (not 32), each caller gets its own
-    result or its own error, and a script Redis has never seen (NOSCRIPT, as after a restart) is
+    result or its own error, and a script Redis has forgotten (NOSCRIPT, as after a restart) is
     loaded and run once, not lost."""
     sync = redis.Redis.from_url(clean_redis_url, decode_responses=True)
 
@@ -278,6 +278,11 @@ def test_the_scripts_of_one_turn_go_in_one_pipeline_and_answer_their_own_callers
         assert await scripts.run(push, ["pushed"], ["alone"]) == "alone"
         assert await asyncio.gather(*(scripts.run(push, ["pushed"], [a]) for a in "xyz")) == list("xyz")
         assert _connections_named(sync, name) == 1 and sync.llen("pushed") == 35
+        sync.script_flush()  # Redis forgets the script: the next burst meets NOSCRIPT
+        assert await asyncio.gather(*(scripts.run(push, ["pushed"], [a]) for a in "uvw")) == list("uvw")
+        sync.script_flush()  # and alone
+        assert await scripts.run(push, ["pushed"], ["lone"]) == "lone"
+        assert sync.lrange("pushed", 35, -1) == ["u", "v", "w", "lone"]  # each once
         await client.aclose()
 
     asyncio.run(scenario())
