@@ -11,7 +11,6 @@ anything heavy loads. The handlers import the SDK (client/sdk.py, httpx) and the
 from __future__ import annotations
 
 import argparse
-from typing import Protocol
 
 from client.commands import aliases, catalog, files, jobs, predict
 from client.commands.base import (
@@ -23,21 +22,6 @@ from client.commands.base import (
 )
 
 __all__ = ["CONNECTION_OPTIONS", "add_client_commands", "add_connection_options"]
-
-
-class Command(Protocol):
-    """Registers one client command: its name, handler and help, under `parent` (a group's
-    subcommands) or at the top level."""
-
-    def __call__(self, name: str, handler: Handler, help_: str,
-                 parent: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser: ...
-
-
-class Group(Protocol):
-    """Registers a command with subcommands (`datasets upload`, `alias set`); `handler` runs when
-    none is given. Returns where its subcommands go."""
-
-    def __call__(self, name: str, handler: Handler, help_: str, description: str) -> argparse._SubParsersAction: ...
 
 
 def add_client_commands(sub: argparse._SubParsersAction) -> None:

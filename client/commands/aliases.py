@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from client.commands.base import EXIT_OK
+from client.commands.base import EXIT_OK, Command, Group
 
 if TYPE_CHECKING:
-    from client.commands import Command, Group
     from client.sdk import TorchyardClient
     from core.schemas import AliasUpdate
 

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from client.sdk import TorchyardClient
@@ -17,6 +17,21 @@ EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 130
 Handler = Callable[["TorchyardClient", argparse.Namespace], int]
 DEFAULT_URL = "http://127.0.0.1:8000"  # client/sdk.DEFAULT_URL (not imported here: it loads httpx)
 CONNECTION_OPTIONS = ("url", "api_key", "json")
+
+
+class Command(Protocol):
+    """Registers one client command: its name, handler and help, under `parent` (a group's
+    subcommands) or at the top level."""
+
+    def __call__(self, name: str, handler: Handler, help_: str,
+                 parent: argparse._SubParsersAction | None = None) -> argparse.ArgumentParser: ...
+
+
+class Group(Protocol):
+    """Registers a command with subcommands (`datasets upload`, `alias set`); `handler` runs when
+    none is given. Returns where its subcommands go."""
+
+    def __call__(self, name: str, handler: Handler, help_: str, description: str) -> argparse._SubParsersAction: ...
 
 
 def add_connection_options(parser: argparse.ArgumentParser) -> None:

@@ -6,10 +6,9 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from client.commands.base import EXIT_OK
+from client.commands.base import EXIT_OK, Command, Group
 
 if TYPE_CHECKING:
-    from client.commands import Command, Group
     from client.sdk import TorchyardClient
 
 

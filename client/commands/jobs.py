@@ -6,11 +6,10 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from client.commands.base import EXIT_ERROR, EXIT_OK, detached
+from client.commands.base import EXIT_ERROR, EXIT_OK, Command, detached
 from client.commands.follow import follow_and_report, follow_to_end, waiting_notice
 
 if TYPE_CHECKING:
-    from client.commands import Command
     from client.sdk import TorchyardClient
 
 

@@ -6,12 +6,11 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from client.commands.base import EXIT_ERROR, EXIT_OK, detached
+from client.commands.base import EXIT_ERROR, EXIT_OK, Command, detached
 from client.commands.follow import follow_to_end, waiting_notice
 from core.defaults import TOP_K
 
 if TYPE_CHECKING:
-    from client.commands import Command
     from client.sdk import TorchyardClient
 
 
