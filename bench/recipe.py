@@ -13,7 +13,7 @@ the best epoch's for the new one), for each seed and their mean:
 - shapes: tests/datagen.py's ImageFolder zip (3 classes × 60 images), catdog_net and resnet18.
 
 Recipes: `old` is what every job ran with before docs/training.md's recipe (adam 1e-3 constant,
-no weight decay, no label smoothing, the last epoch's weights): the legacy values core/kinds/train.py
+no weight decay, no label smoothing, the last epoch's weights): the legacy values core/kinds/train/params.py
 still reads older records with. `new` is the current defaults (core/defaults.py `RECIPE`). Extra
 recipes are JSON objects of JobSpec fields: --recipe 'name={"schedule": "cosine"}'.
 """

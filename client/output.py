@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 from rich.text import Text
 
+from core.kinds import BatchPredictParams, EvaluateParams, TrainingParams, params_of
 from core.schemas import Alias, AliasUpdate, Evaluation, EvaluationResult, Job, PredictResponse
 
 # A pipe or a log has no width: never wrap a row there (scripts grep lines).
@@ -144,27 +145,28 @@ def _device_choices(job: Job) -> list[tuple[str, str]]:
 def job_report(out: Console, job: Job) -> None:
     """A job as a person reads it: the record, the metrics table, the kept weights' validation
     (per-class accuracy, confusion matrix) and the job's evaluations."""
-    p = job.params
+    p = params_of(job)
     dataset = f"{job.dataset_name} ({job.dataset})" if job.dataset_name and job.dataset_name != job.dataset else job.dataset
+    given = p.model_dump(include=set(_PARAMS)) if isinstance(p, TrainingParams) else {}
     rows = [("job", job.id + (f" ({job.kind.value})" if job.kind.value != "train" else "")),
             ("status", job.status.value + (f" ({job.message})" if job.message else "")),
             ("model", job.model), ("dataset", dataset), ("device", job.device or "-"),
-            ("params", ", ".join(f"{k}={p[k]}" for k in _PARAMS if p.get(k) is not None)),
+            ("params", ", ".join(f"{k}={given[k]}" for k in _PARAMS if given.get(k) is not None)),
             *_device_choices(job),
             ("progress", f"epoch {job.progress.epoch}/{job.progress.epochs}, "
                          f"step {job.progress.step}/{job.progress.steps}"),
             ("attempts", str(job.attempts)), ("created", str(job.created_at)),
             ("finished", str(job.finished_at or "-"))]
-    if p.get("init_from"):
-        rows.insert(5, ("starts from", f"the weights of job {p['init_from']}"))
-    elif p.get("pretrained"):
+    if isinstance(p, TrainingParams) and p.init_from:
+        rows.insert(5, ("starts from", f"the weights of job {p.init_from}"))
+    elif isinstance(p, TrainingParams) and p.pretrained:
         rows.insert(5, ("starts from", "torchvision's ImageNet weights"))
-    if p.get("trained_job"):
-        rows.insert(2, ("evaluates", f"the checkpoint of job {p['trained_job']}"))
+    if isinstance(p, EvaluateParams | BatchPredictParams):
+        rows.insert(2, ("evaluates", f"the checkpoint of job {p.trained_job}"))
     if job.stop_reason:
         rows.append(("ended", job.stop_reason))
     if job.best_epoch is not None:
-        rows.append(("weights", f"epoch {job.best_epoch} ({p.get('keep', 'last')})"))
+        rows.append(("weights", f"epoch {job.best_epoch} ({p.keep if isinstance(p, TrainingParams) else 'last'})"))
     if job.checkpoint:
         rows.append(("checkpoint", f"{job.checkpoint.url} ({size(job.checkpoint.bytes)}, "
                                    f"sha256 {job.checkpoint.sha256[:12]}…)"))

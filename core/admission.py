@@ -18,7 +18,8 @@ The estimate, in bytes, for N images of E = C×H×W values, batch B, P parameter
     model            P·(8 + optimizer state: 4 SGD momentum, 8 Adam/AdamW) + JOB_OVERHEAD
     a batch          B·(ACTIVATION_FACTOR·A + INPUT_COPIES·4·E), A = bytes autograd saves per
                      image, traced on the meta device (models/registry.trace_activation_bytes)
-    evaluation       max(B, 256)·EVAL_FACTOR·A (no graph is kept: the live layer outputs only)
+    evaluation       V·EVAL_FACTOR·A, V = the validation batch, max(B, EVAL_BATCH) (no graph is
+                     kept: the live layer outputs only)
 
     host  = RUNTIME + max(preparation, dataset + statistics, dataset + model + max(batch, evaluation))
     a GPU = CUDA_RUNTIME + model + max(batch, evaluation)   (its host holds the data and preparation;
@@ -41,11 +42,10 @@ from dataclasses import dataclass
 
 from core.config import Settings
 from core.datasets import DatasetRecord, split_sizes
-from core.defaults import EVAL_BATCH, TRAIN_BATCH_SIZE
 from core.errors import InvalidInput
-from core.kinds.train import TrainingParams
+from core.kinds.train.params import TrainingParams, train_batch, validation_batch
 from core.schemas import Device
-from models.registry import MODELS, ModelSpec
+from models.registry import ModelSpec
 
 GiB = 1024**3
 # Measured (scripts/measure_job_memory.py, CPU, torch 2.14.1; figures in docs/security.md).
@@ -71,7 +71,7 @@ TORCHVISION_NATIVE_VALUES = {"cifar10": 3 * 32 * 32, "mnist": 28 * 28, "fashion_
 class JobShape:
     """What the estimate needs to know about a job."""
 
-    model: str
+    model: ModelSpec
     dataset: DatasetRecord
     channels: int
     image_size: int
@@ -91,42 +91,42 @@ class MemoryNeed:
         return ", ".join(f"{name} {_gib(size)}" for name, size in top if size > 0)
 
 
-def activation_bytes_per_image(model: str, height: int, width: int) -> float:
+def activation_bytes_per_image(model: ModelSpec, height: int, width: int) -> float:
     """What autograd saves per image in a training forward pass (at the model's input channels).
     For a resizable model it grows with the input's area (traced: ResNet-18 652 bytes per pixel from
     32² to 512², MobileNetV3-Small 359 plus 47 KB), so the two traces of ModelSpec.activation_bytes
     (at the input size and twice it) give every size: a + b·H·W."""
-    spec = MODELS[model]
-    if spec.input.fixed_size:
-        return spec.activation_bytes[0]
-    small, large = spec.input.height, 2 * spec.input.height
-    a_small, a_large = spec.activation_bytes
+    if model.input.fixed_size:
+        return model.activation_bytes[0]
+    small, large = model.input.height, 2 * model.input.height
+    a_small, a_large = model.activation_bytes
     per_pixel = (a_large - a_small) / (large * large - small * small)
     return max(0.0, a_small + per_pixel * (height * width - small * small))
 
 
 def estimate(shape: JobShape, device_type: str) -> MemoryNeed:
     """What `shape` holds on a worker of `device_type` ("cpu" or "cuda"), in bytes."""
-    spec = MODELS[shape.model]
+    spec = shape.model
     size = spec.input.height if spec.input.fixed_size else shape.image_size
     height, width = (size, size) if not spec.input.fixed_size else (spec.input.height, spec.input.width)
     values = shape.channels * height * width
     n = shape.dataset.num_images or 0
     n_train, _ = split_sizes(n, shape.val_fraction)
-    batch = shape.batch_size or TRAIN_BATCH_SIZE[device_type]
+    batch = train_batch(shape.batch_size, device_type)
+    val_batch = validation_batch(batch)
     dataset = 2 * n * values
     preparation = _preparation_bytes(shape.dataset, n, values)
     statistics = STATS_BYTES_PER_VALUE * min(n_train, STATS_SAMPLE) * values
     parameters = spec.parameters
     model = parameters * (8 + OPTIMIZER_STATE_BYTES.get(shape.optimizer, 8))
-    activations = activation_bytes_per_image(shape.model, height, width)
-    train_batch = int(min(batch, max(n_train, 1)) * (ACTIVATION_FACTOR * activations + INPUT_COPIES * 4 * values))
+    activations = activation_bytes_per_image(spec, height, width)
+    batch_bytes = int(min(batch, max(n_train, 1)) * (ACTIVATION_FACTOR * activations + INPUT_COPIES * 4 * values))
     n_val = max(n - n_train, 0)
-    eval_batch = int(min(max(batch, EVAL_BATCH), n_val) * EVAL_FACTOR * activations)
-    compute = JOB_OVERHEAD_BYTES + model + max(train_batch, eval_batch)
+    val_batch_bytes = int(min(val_batch, n_val) * EVAL_FACTOR * activations)
+    compute = JOB_OVERHEAD_BYTES + model + max(batch_bytes, val_batch_bytes)
     parts = {"the dataset (held twice)": dataset, "building the dataset": preparation,
-             "its statistics": statistics, f"a batch of {batch}": train_batch,
-             f"evaluation batches of {max(batch, EVAL_BATCH)}": eval_batch, "the model and optimizer": model}
+             "its statistics": statistics, f"a batch of {batch}": batch_bytes,
+             f"evaluation batches of {val_batch}": val_batch_bytes, "the model and optimizer": model}
     if device_type == "cuda":
         host = RUNTIME_BYTES + max(preparation, dataset + statistics)
         return MemoryNeed(host, CUDA_RUNTIME_BYTES + compute, parts)
@@ -198,9 +198,9 @@ def check_admission(shape: JobShape, devices: Sequence[Device], settings: Settin
 
 
 def _what_fits(shape: JobShape, capacity: Capacity) -> str:
-    spec: ModelSpec = MODELS[shape.model]
+    spec = shape.model
     device_type = capacity.device.type
-    batch = shape.batch_size or TRAIN_BATCH_SIZE[device_type]
+    batch = train_batch(shape.batch_size, device_type)
 
     def fits(image_size: int, batch_size: int) -> bool:
         trial = JobShape(shape.model, shape.dataset, shape.channels, image_size, batch_size, shape.optimizer,
@@ -237,7 +237,6 @@ def _gib(size: int) -> str:
     return f"{size / GiB:.1f} GiB" if size >= GiB / 10 else f"{math.ceil(size / 1024**2)} MiB"
 
 
-def job_shape(model: str, dataset: DatasetRecord, params: TrainingParams) -> JobShape:
-    spec = MODELS[model]
-    return JobShape(model, dataset, spec.input.channels, params.image_size, params.batch_size, params.optimizer,
+def job_shape(model: ModelSpec, dataset: DatasetRecord, params: TrainingParams) -> JobShape:
+    return JobShape(model, dataset, model.input.channels, params.image_size, params.batch_size, params.optimizer,
                     params.val_fraction)

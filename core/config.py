@@ -336,10 +336,6 @@ class Settings(BaseSettings):
         except OSError:
             return "127.0.0.1"
 
-    @property
-    def resolved_gang_timeout_s(self) -> float:
-        return self.gang_timeout_s or self.lease_ttl_s
-
     def resolved_redis_url(self) -> str:
         """The configured Redis, or the embedded one that `torchyard up` runs under data_dir."""
         if self.redis_url:

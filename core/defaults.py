@@ -3,7 +3,7 @@
 A default used to be written where it was used, and the copies drifted: the OpenAPI text said
 one number, the submit-side resolution another, the worker a third. Now each is named here once,
 and everything that decides or describes a default reads it from here: the resolution at submit
-(core/kinds/<kind>.py), the admission check (core/admission.py), the workers (worker/kinds/) and
+(core/kinds/<kind>/), the admission check (core/admission.py), the workers (worker/kinds/) and
 the descriptions of the HTTP contract's fields (`Field(default=..., description=...)`), whose
 agreement with this table tests/core/test_schema_defaults.py checks through GET /openapi.json.
 
@@ -83,15 +83,21 @@ LEGACY_WEIGHT_DECAY: dict[str, float] = {"sgd": 0.0, "adam": 0.0, "adamw": 0.01}
 # job validates in batches of max(its batch, EVAL_BATCH).
 EVAL_BATCH = 256
 
-# --- predict (a batch-prediction job, and POST /predict) ---------------------------------------
+# --- batch_predict (a batch-prediction job), and POST /predict ----------------------------------
 TOP_K = 5  # predictions per image
 MAX_TOP_K = 1000
-# A predict job's batch per device type: larger batches spread each batch's fixed costs (the
+# A batch prediction's batch per device type: larger batches spread each batch's fixed costs (the
 # hand-off from the decode process, the forward's start) over more images, with diminishing
 # returns; on a CPU 128 takes most of what 256 gains at half its memory (a batch's decoded images
 # wait in shared memory, as many batches ahead as worker/predict_decode.PREFETCH_BATCHES). The
 # figures: docs/benchmarks.md, "Figures that were quoted in code comments".
 PREDICT_BATCH_SIZE: dict[str, int] = {"cuda": 256, "cpu": 128}
+
+# --- export ------------------------------------------------------------------------------------
+# Images of its dataset an export's parity check decodes and compares with the checkpoint's
+# answers, in one forward (with a few of noise): enough to catch a file that computes otherwise,
+# few enough to decode whatever the dataset's size.
+EXPORT_PARITY_IMAGES = 32
 
 
 def per_device(table: dict[str, int]) -> str:

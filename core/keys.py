@@ -42,7 +42,7 @@ Layout::
                                             ready ranks, the epoch rank 0 recorded, a rank's failure
     ty:device:<id>:slot              hash   what the device's worker is doing: reserved for a gang's rank,
                                             held for a waiting gang, or busy with a job (and maybe promised
-                                            to a waiting gang for when it ends; absent: free); core/gangs.py
+                                            to a waiting gang for when it ends; absent: free); core/devices/slots.py
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def job_dependents(job_id: str) -> str:
     return f"{PREFIX}job:{job_id}:dependents"
 
 
-# --- data-parallel gangs (#27, core/gangs.py) ----------------------------------------------------
+# --- data-parallel gangs (#27, core/gangs/) ----------------------------------------------------
 GANGS_WAITING = f"{PREFIX}gangs:waiting"
 GANGS_RESERVED = f"{PREFIX}gangs:reserved"
 GANGS_LOCK = f"{PREFIX}gangs:lock"

@@ -6,7 +6,7 @@ sides build the Celery app here; no task code is imported, so the API sends task
 never loads the worker's modules. Predictions do not use Celery (see core/wire.py).
 
 A data-parallel job (`world_size` > 1) has a `gang…` queue instead, which no worker consumes:
-"sending" its delivery puts it in `ty:gangs:waiting`, where the gang scheduler (core/gangs.py)
+"sending" its delivery puts it in `ty:gangs:waiting`, where the gang scheduler (core/gangs/scheduler.py)
 reserves free devices for all its ranks at once and then sends one message per rank,
 `torchyard.train(job_id, token, seat)`, to each reserved device's own queue.
 """
@@ -60,7 +60,7 @@ class TrainDelivery:
     job_id: str
     token: str
     queue: str
-    # A gang's rank: "<rank>.<attempt id>" (core/gangs.py), sent to that rank's device queue.
+    # A gang's rank: "<rank>.<attempt id>" (core/gangs/records.Seat), sent to that rank's device queue.
     seat: str | None = None
 
     def task_args(self) -> list[str]:

@@ -13,7 +13,7 @@ or None): #16 adds "an alias points at this job", for instance. The record, its 
 index entries go in one Redis transaction (JobStore.delete); then its files (the job's directory
 under checkpoints/: model.pt, resume.pt, an export's file, a predict job's results.jsonl). A crash
 between the two leaves an orphan directory, which the cleanup removes. Then the jobs that exist
-only for it (`JobDeletion.cascade`: a training job's export jobs, core/exports.py) are deleted the
+only for it (`JobDeletion.cascade`: a training job's export jobs, core/kinds/export/submit.py) are deleted the
 same way; evaluations and batch predictions stay (their results are the user's).
 
 The cleanup (`Retention.run_once`), every `cleanup_interval_s` in one API process at a time (a
@@ -45,6 +45,7 @@ from core.config import Settings
 from core.datasets import UPLOAD_TEMP_PREFIX, DatasetCatalog
 from core.errors import Conflict, NotFound
 from core.jobs import JobStore
+from core.kinds import TrainingParams, params_of
 from core.schemas import Job, JobStatus
 from core.storage import CheckpointPaths
 
@@ -54,8 +55,6 @@ DAY_S = 86_400.0
 # Temp files and half-written directories older than this are a crash's leftovers: every writer
 # touches its file far more often (an upload flushes each MiB, an extraction writes each image).
 STALE_AFTER_S = 3600.0
-# The field of a job's params that names the job whose checkpoint it starts from (#15).
-PARENT_FIELD = "init_from"
 
 # Why a job must stay (a sentence for the 409), or None.
 JobProtection = Callable[[Job], str | None]
@@ -103,7 +102,8 @@ class JobDeletion:
 
     def _parent_of_active_job(self, job: Job) -> str | None:
         for active in self.store.active_jobs():
-            if active.params.get(PARENT_FIELD) == job.id:
+            params = params_of(active)
+            if isinstance(params, TrainingParams) and params.init_from == job.id:
                 return (f"job {job.id} is the starting checkpoint of {active.status.value} job {active.id}; "
                         f"delete it after that job has finished")
         return None

@@ -30,10 +30,12 @@ DATASET_DESCRIPTION = "A dataset id, or the unique name it was uploaded with."
 
 class JobKind(StrEnum):
     """What a job does on a worker. Every kind shares the lifecycle (queued → running → terminal),
-    leases, cancellation and events; worker/job_runner.py picks the handler by kind."""
+    leases, cancellation and events; worker/job_runner.py picks the handler by kind. A member's
+    name is the kind's name in code (its package core/kinds/<name>/); its value is the HTTP
+    contract's (a batch prediction's stays "predict")."""
 
     train = "train"  # a model from a dataset → a checkpoint
-    predict = "predict"  # a trained model over a folder of images → a results file (batch inference)
+    batch_predict = "predict"  # a trained model over a folder of images → a results file (batch inference)
     evaluate = "evaluate"  # a trained model on a dataset → accuracy, loss, confusion matrix
     export = "export"  # a trained model → a file that runs without torchyard (TorchScript, ONNX)
 
@@ -154,7 +156,7 @@ class DeviceChoices(BaseModel):
         if "amp_dtype" not in params or "device" not in params:
             return None
         fields = {name: params[name] for name in cls.model_fields if name in params}
-        fields.setdefault("schedule", params.get("schedule") or "constant")
+        fields.setdefault("schedule", "constant")  # records older than the recipe ran a constant rate
         try:
             return cls.model_validate(fields)
         except ValueError:

@@ -132,7 +132,7 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     from core import admission as a
     from core.datasets import DatasetRecord
-    from core.defaults import EVAL_BATCH
+    from core.kinds.train.params import validation_batch
     from models.registry import MODELS
 
     parser = argparse.ArgumentParser()
@@ -149,7 +149,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for model, channels, size, n, batch in TRAIN_CONFIGS[:2] if quick else TRAIN_CONFIGS:
         values = channels * size * size
-        acts = a.activation_bytes_per_image(model, size, size)
+        acts = a.activation_bytes_per_image(MODELS[model], size, size)
         with tempfile.TemporaryDirectory() as workdir:
             step = run("step", [model, channels, size, batch, workdir])
             evaluation = run("eval", [model, channels, size, n, batch, workdir])
@@ -158,9 +158,9 @@ def main() -> None:
         row("step", f"{model} {channels}×{size}×{size}, batch {batch}", step,
             a.JOB_OVERHEAD_BYTES + params + batch * (a.ACTIVATION_FACTOR * acts + a.INPUT_COPIES * 4 * values))
         row("eval", f"{model} {channels}×{size}×{size}, {n} images", evaluation,
-            a.JOB_OVERHEAD_BYTES + min(n, max(batch, EVAL_BATCH)) * a.EVAL_FACTOR * acts)
+            a.JOB_OVERHEAD_BYTES + min(n, validation_batch(batch)) * a.EVAL_FACTOR * acts)
         record = DatasetRecord(id="u", name="u", kind="upload", num_images=n)
-        need = a.estimate(a.JobShape(model, record, channels, size, batch, "adam", 0.1), "cpu")
+        need = a.estimate(a.JobShape(MODELS[model], record, channels, size, batch, "adam", 0.1), "cpu")
         # The baseline already holds the runtime and the N·E dataset; the estimate counts both.
         row("job", f"{model} {channels}×{size}×{size}, N={n}, batch {batch}", job,
             need.host_bytes - a.RUNTIME_BYTES - n * values)

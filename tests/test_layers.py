@@ -16,7 +16,7 @@ OURS = ("app", "client", "core", "models", "worker")
 MAY_IMPORT = {
     "models": set(),
     "core": {"models"},
-    "client": {"core.schemas", "core.defaults"},
+    "client": {"core.schemas", "core.defaults", "core.kinds"},  # core.kinds: its face only (below)
     "worker": {"core", "models"},
     "app": {"core", "models"},
 }
@@ -63,30 +63,50 @@ def test_imports_point_down(package: str) -> None:
     assert _breaches(package) == []
 
 
-# Job kinds (#30): each kind's params and their resolution in core/kinds/<kind>.py, its handler in
-# worker/kinds/<kind>.py, named the same. A handler reads its own kind's params only, and the API's
-# side of a kind is a leaf of the domain: it imports no submitter, job store or other kind's params.
-KINDS = {"train", "evaluate", "predict", "export"}
-KIND_LEAF_MAY_NOT = {"core.submission", "core.evaluations", "core.batch_predict", "core.exports", "core.jobs"}
+# Job kinds: each kind's package core/kinds/<kind>/ (its request, params and their resolution, its
+# submitter), its handler in worker/kinds/, named by the kind's name in code (JobKind's member name;
+# a batch prediction's wire value stays "predict"). A handler reads its own kind's params only, and
+# the params side of a kind (spec, params, resolution) is a leaf of the domain: it imports no
+# submitter, job store, device registry or other kind, only the KindParams base they all share.
+KINDS = {"train", "evaluate", "batch_predict", "export"}
+# The worker's handler of each kind (worker/kinds/<module>.py), until it is renamed after its kind.
+HANDLERS = {"train": "train", "evaluate": "evaluate", "batch_predict": "predict", "export": "export"}
+KIND_LEAF_MAY_NOT = {"core.jobs", "core.devices", "core.gangs", "core.datasets", "core.kinds.submitter"}
+KIND_SHARED = {"request", "params", "submitter"}  # core/kinds/*.py: what every kind shares
 
 
-def _kind_modules(package: str) -> set[str]:
-    return {p.stem for p in (REPO / package / "kinds").glob("*.py") if p.stem != "__init__"}
+def _kind_leaves(kind: str) -> list[Path]:
+    return [p for p in (REPO / "core" / "kinds" / kind).glob("*.py") if p.stem != "submit"]
 
 
-def test_every_kind_has_its_params_and_its_handler_named_alike() -> None:
+def test_every_kind_has_its_package_and_its_handler() -> None:
     from core.schemas import JobKind
 
-    assert {kind.value for kind in JobKind} == KINDS
-    assert _kind_modules("worker") == KINDS
-    assert _kind_modules("core") == KINDS | {"request"}  # request.py: what POST /jobs accepts
+    assert {kind.name for kind in JobKind} == KINDS
+    assert {p.name for p in (REPO / "core" / "kinds").iterdir() if p.is_dir() and p.name != "__pycache__"} == KINDS
+    assert {p.stem for p in (REPO / "core" / "kinds").glob("*.py")} == KIND_SHARED | {"__init__"}
+    assert {p.stem for p in (REPO / "worker" / "kinds").glob("*.py")} == set(HANDLERS.values()) | {"__init__"}
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_a_kind_reads_its_own_params(kind: str) -> None:
-    handler = _imports(ast.parse((REPO / "worker" / "kinds" / f"{kind}.py").read_text()))
+    handler = _imports(ast.parse((REPO / "worker" / "kinds" / f"{HANDLERS[kind]}.py").read_text()))
     others = [name for name in handler if name.startswith("core.kinds.") and not name.startswith(f"core.kinds.{kind}.")]
     assert others == []
-    params = _imports(ast.parse((REPO / "core" / "kinds" / f"{kind}.py").read_text()))
-    assert [name for name in params if any(name.startswith(f"{m}.") or name == m for m in KIND_LEAF_MAY_NOT)] == []
-    assert [name for name in params if name.startswith("core.kinds.")] == []
+    for leaf in _kind_leaves(kind):
+        names = _imports(ast.parse(leaf.read_text()))
+        assert [name for name in names if any(name.startswith(f"{m}.") or name == m for m in KIND_LEAF_MAY_NOT)] == []
+        assert [name for name in names if name.startswith("core.kinds.") and not name.startswith(f"core.kinds.{kind}.")
+                and not name.startswith("core.kinds.params.")] == []
+
+
+def test_the_client_reads_params_through_the_kinds_face_only() -> None:
+    """The client may read a job's params as its kind's model (the face of core/kinds: the params
+    models and `params_of`), never a submitter or a resolution."""
+    import core.kinds
+
+    for path in sorted((REPO / "client").rglob("*.py")):
+        for name in _imports(ast.parse(path.read_text())):
+            if name.startswith("core.kinds"):
+                assert name.rpartition(".")[0] == "core.kinds" and name.rpartition(".")[2] in core.kinds.__all__, (
+                    f"{path.relative_to(REPO)} imports {name}")

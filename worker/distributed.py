@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from core.gangs.policy import RENDEZVOUS_PORTS
 from worker.augment import apply_crop_flip, crop_flip_draws
 from worker.backoff import BatchBackoff
 from worker.evaluation import Measured
@@ -45,7 +46,6 @@ from worker.job_context import JobFailed
 
 log = logging.getLogger(__name__)
 
-RENDEZVOUS_PORTS = 64  # rank 0's store takes the first free port of settings.rendezvous_port + [0, 64)
 # What a collective that failed because a peer left raises, besides torch.distributed.DistError:
 # gloo's and NCCL's RuntimeErrors name their transport.
 _COLLECTIVE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "c10d", "processgroup")
@@ -154,7 +154,7 @@ def init_group(store: dist.Store, namespace: str, rank: int, world_size: int, de
                timeout_s: float) -> None:
     """This process's default process group for the attempt: NCCL on the pinned GPU (cuda:0 in a
     pinned worker), gloo on the CPU; every collective gives up after `timeout_s`. Its keys live under
-    `namespace` in the store: the attempt's secret (core/gangs.py), which a stranger reaching the
+    `namespace` in the store: the attempt's secret (core/gangs/records.py), which a stranger reaching the
     store's port cannot guess, so it cannot read or overwrite the addresses the ranks exchange."""
     leave_group(failed=True)  # an earlier attempt's group, if its teardown was cut short
     kwargs: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """One worker's part in a data-parallel job: a rank, from its message to leaving the gang.
 
-The gang scheduler (core/gang_scheduler.py) reserved this device's slot for one rank of one
+The gang scheduler (core/gangs/scheduler.py) reserved this device's slot for one rank of one
 attempt and sent `torchyard.train(job, token, seat)` to this device's queue. The task:
 
 1. **Joins**: takes the slot reserved for exactly that seat (a message of a lapsed or replaced
@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from core import keys
-from core.gangs import DeviceSlots, GangRecords, GangState, Member, Seat
+from core.devices import DeviceSlots, slot_states
+from core.gangs import GangRecords, GangState, Member, Seat
+from core.gangs.policy import POLL_S, READY_TIMEOUT_S, REASON_GRACE_S, REFUSED_PAUSE_S
 from core.redis import OUTAGE_ERRORS
 from core.schemas import EpochMetrics, Job, JobStatus, Progress
 from worker.cpu_threads import run_in_own_thread
@@ -47,14 +49,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05
-# After giving a single-device job back (the device is reserved or held for a gang), before taking
-# the next message.
-REFUSED_PAUSE_S = 1.0
-# A rank still loading its data after this long ends the attempt (the ranks' liveness is watched meanwhile).
-READY_TIMEOUT_S = 600.0
-# After a collective failed, how long rank 0 looks for the reason a peer recorded.
-REASON_GRACE_S = 1.0
 # Prefix of the StopJob reason that makes the runner give the job back (worker/job_runner.py).
 GANG_FAULT = "gang_fault"
 # Failures a rank reports that end the job (they would recur on any devices); others requeue it.
@@ -122,7 +116,7 @@ class Rank:
             if ranks <= gang.ready:
                 return gang
             dead = [device for device, alive in zip(devices, self.records.alive(devices), strict=True) if not alive]
-            slots = self.records.slot_states(devices)
+            slots = slot_states(self.records.redis, devices)
             left = [device for device in devices if slots.get(device, ("", ""))[1] != self.job_id]
             if dead or left:
                 raise GangBroken(f"the worker of {', '.join(dead or left)} left before training started")

@@ -20,6 +20,7 @@ import secrets
 import tempfile
 from pathlib import Path
 
+from core.gangs.policy import collective_timeout_s
 from core.jobs import NotOwner
 from core.schemas import GangRank, Job
 from worker.distributed import (
@@ -57,7 +58,7 @@ def run_gang_training(job: Job, rank: Rank) -> JobOutcome | None:
 def _train(job: Job, rank: Rank) -> JobOutcome | None:
     runner, ctx = rank.runner, rank.ctx
     settings = runner.settings
-    timeout_s = settings.resolved_gang_timeout_s
+    timeout_s = collective_timeout_s(settings)
     address = settings.resolved_advertise_address()
     bind_interfaces(address)
     if ctx is not None:

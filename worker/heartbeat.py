@@ -29,7 +29,7 @@ from typing import Any, Literal
 from core import keys
 from core.clock import redis_now, utc_now_iso
 from core.devices import DeviceRegistry
-from core.gang_scheduler import GangScheduler
+from core.gangs import GangScheduler
 from core.jobs import JobStore
 from core.logs import RedisOutageLog
 from core.redis import OUTAGE_ERRORS
@@ -158,7 +158,7 @@ class Heartbeat(threading.Thread):
         if self.sweeper is not None and not self.health.broken:
             self.sweeper.maybe_sweep(done - self._healthy_since)
         if self.gangs is not None and not self.health.broken:
-            self.gangs.run_once()  # data-parallel jobs whose devices are free now (core/gang_scheduler.py)
+            self.gangs.run_once()  # data-parallel jobs whose devices are free now (core/gangs/scheduler.py)
 
     def _taken_over(self) -> None:
         """Another worker instance holds this device now: this one's alive key lapsed (the process

@@ -43,7 +43,7 @@ HANDLERS: dict[JobKind, JobHandler] = {
     JobKind.train: run_train_job,
     JobKind.export: run_export_job,
     JobKind.evaluate: run_evaluate_job,
-    JobKind.predict: run_predict_job,
+    JobKind.batch_predict: run_predict_job,
 }
 # Failures whose message says it all: no traceback in the log, the message is the job's error.
 _KNOWN_FAILURES = (JobFailed, DatasetUnavailable, NonFiniteLoss, CheckpointError, NotFound)

@@ -72,8 +72,9 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     import torch  # after pinning: the caller set CUDA_VISIBLE_DEVICES before this import
     from celery.signals import worker_shutting_down
 
-    from core.gang_scheduler import GangScheduler
-    from core.gangs import DeviceSlots, GangRecords
+    from core.devices import DeviceSlots
+    from core.gangs import GangRecords, GangScheduler
+    from core.gangs.policy import reservation_s
     from core.queue import create_celery, dispatcher
     from worker.device import check_cuda
     from worker.device_health import DeviceHealth
@@ -99,8 +100,8 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     for job_id in store.take_back_from_dead(device.worker_name, instance, _instance_gone):
         log.warning("job %s: its worker process here died; taken back without waiting for its lease", job_id)
     slots = DeviceSlots(client, device.id)
-    slots.reset()  # what a predecessor on this device was busy with is over (core/gangs.py)
-    gangs = GangScheduler(client, dispatch, registry.all, reservation_s=settings.lease_ttl_s, instance=instance)
+    slots.reset()  # what a predecessor on this device was busy with is over (core/devices/slots.py)
+    gangs = GangScheduler(client, dispatch, registry.all, reservation_s=reservation_s(settings), instance=instance)
 
     state = WorkerState()
     paths = CheckpointPaths(settings.checkpoints_dir)

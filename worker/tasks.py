@@ -10,5 +10,5 @@ from worker.main import current_runtime
 
 @shared_task(name=TRAIN_TASK, ignore_result=True)
 def train(job_id: str, token: str, seat: str | None = None) -> None:
-    """A job's delivery; with `seat`, one rank of a data-parallel job (core/gang_scheduler.py)."""
+    """A job's delivery; with `seat`, one rank of a data-parallel job (core/gangs/scheduler.py)."""
     current_runtime().runner.run(job_id, token, seat)

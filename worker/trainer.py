@@ -21,8 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from core.defaults import EVAL_BATCH, TRAIN_BATCH_SIZE
-from core.kinds.train import TrainingParams, schedule_for
+from core.kinds.train.params import TrainingParams, schedule_for, validation_batch
 from core.schemas import DeviceChoices, EpochMetrics, EvaluationResult, Progress
 from models.registry import build_model
 from worker import init_weights
@@ -101,7 +100,7 @@ def plan_training(job_id: str, architecture: str, params: TrainingParams, data: 
     from a GPU to a CPU, an elastic gang placed again) goes on with the run its resume state holds;
     the rest (precision, placement) is this device's."""
     cuda = device.type == "cuda"
-    batch_size = params.batch_size or (earlier.batch_size if earlier is not None else TRAIN_BATCH_SIZE[device.type])
+    batch_size = earlier.batch_size if earlier is not None and params.batch_size is None else params.batch_for(device.type)
     precision = choose_precision(device.type, torch.cuda.get_device_capability(device) if cuda else None, cpu_flags(),
                                  mixed=params.precision == "auto")
     n_train = len(data.labels) - len(split(len(data.labels), params.val_fraction, params.seed)[1])
@@ -148,7 +147,7 @@ class Trainer:
         classes = self.data.classes
         train_idx, val_idx = split(len(self.data.labels), params.val_fraction, params.seed)
         train = self._batches(train_idx, choices.batch_size)
-        val = self._batches(self.placement.shard(val_idx), max(choices.batch_size, EVAL_BATCH))
+        val = self._batches(self.placement.shard(val_idx), validation_batch(choices.batch_size))
         pre = self._preprocessing(train.images)  # the split where it trains: on a GPU, milliseconds
         mean_t, std_t = stats_tensors(pre, device)
 
@@ -171,7 +170,7 @@ class Trainer:
         scaler = grad_scaler(device, choices.grad_scaler)
         loss_fn = nn.CrossEntropyLoss(label_smoothing=params.label_smoothing).to(device)
         backoff = self._backoff(choices.batch_size, "training")
-        eval_backoff = self._backoff(max(choices.batch_size, EVAL_BATCH), "validation")
+        eval_backoff = self._backoff(validation_batch(choices.batch_size), "validation")
         stopper = EarlyStopping(params.monitor, params.patience)
         history: list[EpochMetrics] = []
         run = ResumableRun(model, optimizer, scheduler, scaler, stopper, backoff, device)

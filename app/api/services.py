@@ -9,20 +9,20 @@ import redis.asyncio as aioredis
 
 from app.api.predictions import PredictionClient
 from core.aliases import AliasService, AliasStore, job_is_aliased
-from core.batch_predict import BatchPredictions
 from core.config import Settings
 from core.datasets import DatasetCatalog
 from core.devices import DeviceRegistry
-from core.evaluations import Evaluations
-from core.exports import ExportCatalog
 from core.jobs import JobStore
+from core.kinds.batch_predict.submit import BatchPredictions
+from core.kinds.evaluate.submit import Evaluations
+from core.kinds.export.submit import ExportCatalog
+from core.kinds.train.submit import JobSubmission
 from core.lineage import active_dependent
 from core.queue import create_celery, dispatcher
 from core.redis import connect, connect_async
 from core.retention import JobDeletion, Retention
 from core.schemas import Job
 from core.storage import CheckpointPaths
-from core.submission import JobSubmission
 from core.warming import ModelWarmer
 
 

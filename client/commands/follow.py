@@ -62,7 +62,7 @@ def waiting_notice(out: Console, job_id: str) -> Callable[[str | None], None]:
 def _follow(client: TorchyardClient, job: Job, *, quiet: bool) -> None:
     from client import output
 
-    epochs = job.params.get("epochs")
+    epochs = job.progress.epochs or None  # a job without epochs: 0
     with output.EpochProgress(output.console(sys.stderr, quiet=quiet)) as bar:
         # Said on stderr even with --json: a script's log should show why it is slow.
         notice = waiting_notice(bar.out if not quiet else output.console(sys.stderr), job.id)

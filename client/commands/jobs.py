@@ -24,7 +24,7 @@ def _train(client: TorchyardClient, args: argparse.Namespace) -> int:
                         keep=args.keep, init_from=args.init_from, pretrained=args.pretrained or None,
                         precision=args.precision, world_size=args.world_size, elastic=args.elastic or None)
     output.console(sys.stderr).print(f"job {job.id} queued: {job.model} on {job.dataset_name or job.dataset}, "
-                                     f"{job.params.get('epochs')} epochs, device {job.requested_device}")
+                                     f"{job.progress.epochs} epochs, device {job.requested_device}")
     if args.detach:
         return detached(job, job.id, args)
     return follow_and_report(client, job, args)
@@ -59,7 +59,7 @@ def _jobs(client: TorchyardClient, args: argparse.Namespace) -> int:
     output.table(output.console(), ["job", "kind", "status", "model", "dataset", "epoch", "val_acc", "device",
                                     "created (UTC)"],
                  [[j.id, j.kind.value, j.status.value, j.model, j.dataset_name or j.dataset,
-                   f"{j.progress.epoch}/{j.params.get('epochs', '?')}" if j.kind.value == "train" else "-",
+                   f"{j.progress.epoch}/{j.progress.epochs}" if j.kind.value == "train" else "-",
                    output.pct(output.job_accuracy(j)), j.device or j.requested_device,
                    j.created_at.strftime("%Y-%m-%d %H:%M:%S")] for j in jobs.jobs])
     return EXIT_OK

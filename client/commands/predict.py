@@ -29,6 +29,7 @@ def _predict_folder(client: TorchyardClient, args: argparse.Namespace) -> int:
     """A folder (or zip) of images uploaded unlabelled, or a dataset already uploaded, through a
     predict job; its progress followed like `train`'s, its results downloaded as JSON lines."""
     from client import output
+    from core.kinds import BatchPredictParams
 
     err = output.console(sys.stderr, quiet=args.json)
     dataset = args.dataset
@@ -37,8 +38,8 @@ def _predict_folder(client: TorchyardClient, args: argparse.Namespace) -> int:
         dataset = client.upload_dataset(args.path, args.name, labeled=args.labeled)["id"]
     job = client.submit_predictions(dataset, job_id=args.job, alias=args.alias, top_k=args.top_k,
                                     batch_size=args.batch_size, device=args.device)
-    model = f"alias {args.alias} (job {job.params.get('trained_job')})" if args.alias else \
-        f"job {job.params.get('trained_job')}"
+    trained = BatchPredictParams.of(job).trained_job
+    model = f"alias {args.alias} (job {trained})" if args.alias else f"job {trained}"
     err.print(f"job {job.id} queued: predictions of {model} on dataset {job.dataset_name or job.dataset}")
     if args.detach:
         return detached(job, job.id, args)

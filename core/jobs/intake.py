@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 
@@ -26,10 +26,26 @@ IDEMPOTENCY_TTL_S = 24 * 3600
 MAX_IDEMPOTENCY_KEY = 200
 
 
+class JobParams(Protocol):
+    """What the store needs of a new job's typed params (core/kinds/params.KindParams has it): its
+    kind, the devices it runs on at once (a gang's queue) and the epochs its progress counts."""
+
+    @property
+    def kind(self) -> JobKind: ...
+
+    @property
+    def gang_size(self) -> int: ...
+
+    @property
+    def total_epochs(self) -> int: ...
+
+    def model_dump(self, *, mode: str = "python") -> dict[str, Any]: ...
+
+
 def request_fingerprint(kind: JobKind, model: str, dataset: str, params: Mapping[str, Any],
                         requested_device: str) -> str:
     """A digest of the resolved request: what an Idempotency-Key is bound to. Taken after every
-    default was decided (core/kinds/train.py), so two bodies that ask for the same job agree."""
+    default was decided (core/kinds/train/resolution.py), so two bodies that ask for the same job agree."""
     canonical = json.dumps({"kind": kind.value, "model": model, "dataset": dataset, "params": dict(params),
                             "device": requested_device}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -56,10 +72,11 @@ def _parse_idempotency(value: str) -> tuple[str, str | None]:
 class Intake(JobStoreBase):
     """The job store's side of `POST /jobs` (and its kinds' submitters) and of a cancel."""
 
-    def create(self, *, model: str, dataset: str, params: dict[str, Any], requested_device: str,
-               idempotency_key: str | None = None, kind: JobKind = JobKind.train,
-               body_digest: str | None = None, depends_on: str | None = None) -> tuple[Job, bool]:
-        """Record a queued job and dispatch it. Returns (job, created); a repeated key returns the first.
+    def create(self, *, model: str, dataset: str, params: JobParams, requested_device: str,
+               idempotency_key: str | None = None, body_digest: str | None = None,
+               depends_on: str | None = None) -> tuple[Job, bool]:
+        """Record a queued job of `params`' kind and dispatch it. Returns (job, created); a repeated key
+        returns the first.
 
         One transaction writes the record, its indexes, its first event, the dispatch intent,
         the Idempotency-Key (with `body_digest`, the request as sent: `replay` answers a retry of
@@ -71,13 +88,14 @@ class Intake(JobStoreBase):
         if idempotency_key is not None and len(idempotency_key) > MAX_IDEMPOTENCY_KEY:
             raise InvalidInput(f"Idempotency-Key is longer than {MAX_IDEMPOTENCY_KEY} characters")
         idem_key = keys.idempotency(idempotency_key) if idempotency_key else None
-        fingerprint = request_fingerprint(kind, model, dataset, params, requested_device)
-        queue = queue_for_device(requested_device, int(params.get("world_size") or 1))  # gangs: core/gangs.py
+        stored = params.model_dump(mode="json")
+        fingerprint = request_fingerprint(params.kind, model, dataset, stored, requested_device)
+        queue = queue_for_device(requested_device, params.gang_size)  # a gang's: core/gangs/
         job_id, token = new_job_id(), new_token()
         record = {
-            "id": job_id, "kind": kind.value, "status": JobStatus.queued.value, "model": model, "dataset": dataset,
-            "params": json.dumps(params), "requested_device": requested_device, "queue": queue,
-            "progress": json.dumps(Progress(epochs=params.get("epochs", 0)).model_dump()),
+            "id": job_id, "kind": params.kind.value, "status": JobStatus.queued.value, "model": model,
+            "dataset": dataset, "params": json.dumps(stored), "requested_device": requested_device, "queue": queue,
+            "progress": json.dumps(Progress(epochs=params.total_epochs).model_dump()),
             "metrics": "[]", "attempts": 0, "created_at": utc_now_iso(), "delivery": token,
             "message": f"waiting for a worker on queue {queue}",
         }

@@ -1,5 +1,5 @@
-"""What POST /jobs accepts: a training job (the default kind) or a batch-prediction job, told apart
-by `kind` (which a training job may leave out)."""
+"""What POST /jobs accepts: a training job (the default kind) or a batch prediction, told apart by
+`kind` (which a training job may leave out; a batch prediction's is "predict" on the wire)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from typing import Annotated, Any
 
 from pydantic import Discriminator, Tag
 
-from core.kinds.predict import PredictSpec
-from core.kinds.train import JobSpec
+from core.kinds.batch_predict.spec import BatchPredictSpec
+from core.kinds.train.spec import JobSpec
 from core.schemas import JobKind
 
 
@@ -17,5 +17,6 @@ def _spec_kind(value: Any) -> str:
     return str(kind.value if isinstance(kind, JobKind) else kind)
 
 
-JobRequest = Annotated[Annotated[JobSpec, Tag(JobKind.train.value)] | Annotated[PredictSpec, Tag(JobKind.predict.value)],
+JobRequest = Annotated[Annotated[JobSpec, Tag(JobKind.train.value)]
+                       | Annotated[BatchPredictSpec, Tag(JobKind.batch_predict.value)],
                        Discriminator(_spec_kind)]

@@ -12,7 +12,7 @@ from core.config import Settings
 from core.datasets import BUILTINS, DatasetRecord
 from core.errors import InvalidInput
 from core.schemas import Device
-from models.registry import trace_activation_bytes
+from models.registry import MODELS, trace_activation_bytes
 
 GiB = 1024**3
 
@@ -25,20 +25,21 @@ def _device(kind: str, memory: int, host: int | None, name: str = "h") -> Device
 
 
 def _shape(model: str = "resnet18", size: int = 32, batch: int | None = 128, dataset: str = "fake") -> JobShape:
-    return JobShape(model, BUILTINS[dataset], 1 if model == "catdog_net" else 3, size, batch, "adam", 0.1)
+    return JobShape(MODELS[model], BUILTINS[dataset], 1 if model == "catdog_net" else 3, size, batch, "adam", 0.1)
 
 
 def test_activations_grow_with_the_input_area_as_traced() -> None:
-    small, large = activation_bytes_per_image("resnet18", 64, 64), activation_bytes_per_image("resnet18", 128, 128)
+    resnet18 = MODELS["resnet18"]
+    small, large = activation_bytes_per_image(resnet18, 64, 64), activation_bytes_per_image(resnet18, 128, 128)
     assert 3.8 < large / small < 4.2  # four times the pixels, about four times the activations
-    assert activation_bytes_per_image("cifar_net", 32, 32) > 0
+    assert activation_bytes_per_image(MODELS["cifar_net"], 32, 32) > 0
 
 
 @pytest.mark.parametrize("model", ["resnet18", "mobilenet_v3_small"])
 @pytest.mark.parametrize("size", [48, 224])
 def test_interpolated_activations_are_near_a_trace_at_that_size(model: str, size: int) -> None:
     traced = trace_activation_bytes(model, size, size)
-    assert abs(activation_bytes_per_image(model, size, size) / traced - 1) < 0.1
+    assert abs(activation_bytes_per_image(MODELS[model], size, size) / traced - 1) < 0.1
 
 
 def test_the_estimate_grows_with_image_size_batch_and_data() -> None:
@@ -46,7 +47,7 @@ def test_the_estimate_grows_with_image_size_batch_and_data() -> None:
     assert estimate(_shape(size=128), "cpu").host_bytes > base
     assert estimate(_shape(size=64, batch=512), "cpu").host_bytes > base
     upload = DatasetRecord(id="u", name="u", kind="upload", num_images=100_000)
-    bigger = JobShape("resnet18", upload, 3, 64, 128, "adam", 0.1)
+    bigger = JobShape(MODELS["resnet18"], upload, 3, 64, 128, "adam", 0.1)
     assert estimate(bigger, "cpu").host_bytes > base
     # On a GPU worker the batches are the GPU's; the data stays on the host.
     gpu = estimate(_shape(size=64), "cuda")

@@ -10,6 +10,7 @@ from core.aliases import AliasStore, Caller, job_is_aliased, validate_alias_name
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import JobStore
 from core.schemas import JobKind, JobStatus
+from tests.core.kinds.examples import params_for
 
 
 @pytest.fixture
@@ -20,7 +21,7 @@ def client(clean_redis_url: str) -> redis.Redis:
 def _job(client: redis.Redis, status: JobStatus, kind: JobKind = JobKind.train) -> str:
     """A job driven through the real store to `status` (claim → finish)."""
     store = JobStore(client, lambda delivery: None)
-    job, _ = store.create(model="cifar_net", dataset="fake", params={"epochs": 1}, requested_device="auto", kind=kind)
+    job, _ = store.create(model="cifar_net", dataset="fake", params=params_for(kind), requested_device="auto")
     if status is JobStatus.queued:
         return job.id
     token = client.hget(f"ty:job:{job.id}", "delivery")

@@ -15,6 +15,7 @@ from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import JobStore, NotOwner
 from core.queue import create_celery, dispatcher, queue_for_device
 from core.schemas import EpochMetrics, JobStatus, Progress
+from tests.core.kinds.examples import train_params
 
 
 @pytest.fixture
@@ -34,7 +35,7 @@ def store(client: redis.Redis, sent: list) -> JobStore:
 
 
 def _create(store: JobStore, **kw):
-    return store.create(model="cifar_net", dataset="fake", params={"epochs": 2}, requested_device="auto", **kw)
+    return store.create(model="cifar_net", dataset="fake", params=train_params(epochs=2), requested_device="auto", **kw)
 
 
 def _metrics(epoch: int, loss: float = 1.0) -> EpochMetrics:
@@ -196,7 +197,7 @@ def test_idempotency_key_is_bound_to_the_request(store: JobStore, sent: list) ->
     again, created_again = _create(store, idempotency_key="abc")
     assert created and not created_again and again.id == first.id and len(sent) == 1
     with pytest.raises(InvalidInput, match="different request"):
-        store.create(model="cifar_net", dataset="fake", params={"epochs": 3}, requested_device="auto",
+        store.create(model="cifar_net", dataset="fake", params=train_params(epochs=3), requested_device="auto",
                      idempotency_key="abc")
     # A key left without its job (a first-wave record whose creator died before writing the job)
     # does not block retries: the request creates the job.

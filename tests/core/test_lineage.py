@@ -14,22 +14,23 @@ import pytest
 import redis
 
 from core import keys
-from core.batch_predict import BatchPredictions
 from core.config import Settings
 from core.datasets import DatasetCatalog
 from core.devices import DeviceRegistry
 from core.errors import Conflict, NotFound
-from core.evaluations import Evaluations
-from core.exports import ExportCatalog
 from core.jobs import JobStore
+from core.kinds.batch_predict import BatchPredictSpec
+from core.kinds.batch_predict.submit import BatchPredictions
 from core.kinds.evaluate import EvaluateSpec
-from core.kinds.predict import PredictSpec
+from core.kinds.evaluate.submit import Evaluations
+from core.kinds.export.submit import ExportCatalog
 from core.kinds.train import JobSpec
+from core.kinds.train.submit import JobSubmission
 from core.lineage import active_dependent
 from core.retention import JobDeletion
 from core.schemas import ExportFormat, JobKind, JobStatus
 from core.storage import CheckpointPaths
-from core.submission import JobSubmission
+from tests.core.kinds.examples import train_params
 from tests.datagen import shapes_zip
 
 
@@ -72,8 +73,7 @@ def source(clean_redis_url: str, tmp_path: Path) -> dict:
     settings = Settings(data_dir=tmp_path, redis_url=clean_redis_url)
     client = redis.Redis.from_url(clean_redis_url, decode_responses=True)
     store = _store(client)
-    job, _ = store.create(model="cifar_net", dataset="fake", params={"epochs": 1, "channels": 3},
-                          requested_device="auto")
+    job, _ = store.create(model="cifar_net", dataset="fake", params=train_params(epochs=1), requested_device="auto")
     token = store.raw_field(job.id, "delivery")
     assert store.claim(job.id, token, worker="w", device_id="n/cpu").run
     store.set_classes(job.id, token, [f"pattern_{k}" for k in range(10)])  # fake's classes
@@ -94,7 +94,7 @@ def _submitters(job_id: str, upload: str) -> dict[str, Callable[[JobStore, Datas
         "evaluate": lambda store, catalog, devices, settings: Evaluations(store, catalog, devices, settings).submit(
             job_id, EvaluateSpec(dataset="fake")),
         "predict": lambda store, catalog, devices, settings: BatchPredictions(store, catalog, devices, settings).submit(
-            PredictSpec(kind=JobKind.predict, job_id=job_id, dataset=upload)),
+            BatchPredictSpec(kind=JobKind.batch_predict, job_id=job_id, dataset=upload)),
         "export": lambda store, catalog, devices, settings: ExportCatalog(
             store.redis, store, CheckpointPaths(settings.checkpoints_dir)).request(job_id, ExportFormat.onnx),
     }
@@ -135,6 +135,6 @@ def test_a_source_deleted_before_the_dependents_transaction_is_not_given_one(sou
     store = _store(client)
     JobDeletion(store, source["paths"]).delete(source["job"])
     with pytest.raises(NotFound, match="was deleted while this request was checked"):
-        store.create(model="cifar_net", dataset="fake", params={"epochs": 1}, requested_device="auto",
+        store.create(model="cifar_net", dataset="fake", params=train_params(epochs=1), requested_device="auto",
                      depends_on=source["job"])
     assert client.zcard(keys.JOBS_INDEX) == 0

@@ -72,14 +72,14 @@ def test_training_defaults_as_served(openapi: dict[str, Any]) -> None:
 
 def test_evaluate_and_predict_defaults_as_served(openapi: dict[str, Any]) -> None:
     assert int(_default_in(_field(openapi, "EvaluateSpec", "batch_size")["description"])) == EVAL_BATCH
-    assert _per_device(_field(openapi, "PredictSpec", "batch_size")["description"]) == PREDICT_BATCH_SIZE
-    top_k = _field(openapi, "PredictSpec", "top_k")
+    assert _per_device(_field(openapi, "BatchPredictSpec", "batch_size")["description"]) == PREDICT_BATCH_SIZE
+    top_k = _field(openapi, "BatchPredictSpec", "top_k")
     assert (top_k["default"], top_k["maximum"]) == (TOP_K, defaults.MAX_TOP_K)
     assert int(_default_in(top_k["description"])) == TOP_K
     form = openapi["paths"]["/predict"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
     assert form["properties"]["top_k"]["default"] == TOP_K
     assert int(_default_in(form["properties"]["top_k"]["description"])) == TOP_K
-    for model in ("JobSpec", "EvaluateSpec", "PredictSpec"):
+    for model in ("JobSpec", "EvaluateSpec", "BatchPredictSpec"):
         assert _field(openapi, model, "device")["default"] == defaults.DEVICE
 
 

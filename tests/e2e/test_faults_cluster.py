@@ -222,7 +222,7 @@ def test_what_a_dying_process_leaves_half_done_is_completed_by_the_workers(clust
     dead_broker = create_celery(Settings(redis_url=f"unix://{cluster['data_dir']}/no-such-redis.sock?db=0"))
     store = JobStore(connect(cluster["url"]), dispatcher(dead_broker), lease_ttl_s=2)
     spec = JobSpec(model="cifar_net", dataset=cluster["dataset"], epochs=1, batch_size=8)
-    params = resolve_params(spec).model_dump()
+    params = resolve_params(spec)
     never_sent, created = store.create(model=spec.model, dataset=spec.dataset, params=params, requested_device="auto")
     assert created and never_sent.status.value == "queued"
 

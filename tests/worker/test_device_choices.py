@@ -6,6 +6,7 @@ once its first delivery had started (submit's params, then `TrainingPlan.as_para
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -58,14 +59,14 @@ def test_a_legacy_record_reads_back_with_its_choices(clean_redis_url: str) -> No
     """Through the job store, as GET /jobs/{id} reads it: the params as they were stored, and the
     choices inside them shown as the job's device_choices."""
     store = JobStore(redis.Redis.from_url(clean_redis_url, decode_responses=True), lambda delivery: None)
-    job, _ = store.create(model="cifar_net", dataset="fake", params=LEGACY_PARAMS, requested_device="auto")
+    job, _ = store.create(model="cifar_net", dataset="fake", params=resolve_params(_spec()), requested_device="auto")
+    store.redis.hset(keys.job(job.id), "params", json.dumps(LEGACY_PARAMS))  # as the previous code left it
     read = store.get(job.id)
     assert read.params == LEGACY_PARAMS
     assert read.device_choices == DeviceChoices(device="cpu", batch_size=64, schedule="constant", amp_dtype=None,
                                                 grad_scaler=False, channels_last=False, cudnn_benchmark=False,
                                                 data_on_device=True, staging_buffers=0)
-    fresh, _ = store.create(model="cifar_net", dataset="fake", params=resolve_params(_spec()).model_dump(),
-                            requested_device="auto")
+    fresh, _ = store.create(model="cifar_net", dataset="fake", params=resolve_params(_spec()), requested_device="auto")
     assert store.get(fresh.id).device_choices is None  # not started: nothing chosen yet
 
 
@@ -100,7 +101,7 @@ def test_a_job_resumed_on_another_device_type_keeps_the_batch_and_schedule_it_ra
     the params it rewrote)."""
     store = JobStore(redis.Redis.from_url(clean_redis_url, decode_responses=True), lambda delivery: None)
     params = resolve_params(_spec(batch_size=None, schedule=None, epochs=3))
-    job, _ = store.create(model="cifar_net", dataset="fake", params=params.model_dump(), requested_device="auto")
+    job, _ = store.create(model="cifar_net", dataset="fake", params=params, requested_device="auto")
     on_gpu = DeviceChoices(device="cuda:0", batch_size=256, schedule="cosine", amp_dtype="bfloat16",
                            grad_scaler=False, channels_last=True, cudnn_benchmark=True, data_on_device=True,
                            staging_buffers=0)

@@ -3,7 +3,7 @@
 The checkpoint is loaded with `map_location` onto the device; the dataset (a built-in's test
 split, or every image of an upload) is read at the checkpoint's recorded preprocessing, so the
 images go through exactly what /predict does. Labels are matched to the model's classes by name
-(core/evaluations.py checked at submit that every class of the data is one of the model's). The
+(core/kinds/evaluate/submit.py checked at submit that every class of the data is one of the model's). The
 pass runs in batches with the same stop checks, progress events and out-of-memory back-off as
 training; the result (accuracy, loss, per-class accuracy, confusion matrix) goes into the job's
 record through the job store.
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from core.kinds.evaluate import EvaluateParams
+from core.kinds.evaluate.params import EvaluateParams
 from core.schemas import Job, Progress
 from worker.backoff import BatchBackoff
 from worker.checkpoint import load_model
@@ -27,7 +27,7 @@ from worker.staging import ResidentBatches, StagedBatches
 
 
 def run_evaluate_job(job: Job, ctx: JobContext) -> JobOutcome:
-    params = EvaluateParams.model_validate(job.params)  # resolved at submit (core/kinds/evaluate.py)
+    params = EvaluateParams.of(job)  # resolved at submit (core/kinds/evaluate/params.py)
     device = torch.device(ctx.device.torch_device)
     model, meta = load_model(ctx.paths.final(params.trained_job), device)
     pre = meta.preprocessing

@@ -35,10 +35,11 @@ from torch import nn
 
 from core.config import Settings
 from core.datasets import FAKE_CLASSES, FAKE_IMAGES, DatasetRecord
+from core.defaults import EXPORT_PARITY_IMAGES
 from core.errors import NotFound
-from core.exports import UNAVAILABLE_PREFIX, export_path
 from core.images import IMAGE_FORMATS
-from core.kinds.export import ExportParams
+from core.kinds.export.params import ExportParams
+from core.kinds.export.submit import UNAVAILABLE_PREFIX, export_path
 from core.schemas import CheckpointInfo, ExportFormat, Job, Progress
 from core.storage import atomic_path, sha256_file
 from worker import thread_warnings
@@ -53,13 +54,13 @@ log = logging.getLogger(__name__)
 MANIFEST_FORMAT = "torchyard.export/1"
 ONNX_OPSET = 18
 PARITY_TOLERANCE = 1e-4
-PARITY_INPUTS = 32  # images of the dataset, plus a few uniform-noise ones
+PARITY_INPUTS = EXPORT_PARITY_IMAGES  # images of the dataset (core/defaults.py), plus a few uniform-noise ones
 INPUT_NAME, OUTPUT_NAME = "input", "logits"
 _STEPS = 4  # load, build, write, check
 
 
 def run_export_job(job: Job, ctx: JobContext) -> JobOutcome:
-    params = ExportParams.model_validate(job.params)
+    params = ExportParams.of(job)
     fmt = params.format
     if fmt is ExportFormat.onnx:
         _require_onnx(ctx)

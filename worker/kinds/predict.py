@@ -1,5 +1,5 @@
 """The `predict` handler: a trained job's model over every image of an uploaded dataset, as a
-JSON-lines file (core/batch_predict.py is the API's side).
+JSON-lines file (core/kinds/batch_predict/ is the API's side).
 
 The model is loaded as /predict loads it (worker/checkpoint.load_model: `weights_only`,
 `map_location` onto this worker's device, the checkpoint's recorded preprocessing), and each image
@@ -34,8 +34,8 @@ from typing import BinaryIO
 
 import torch
 
-from core.batch_predict import RESULTS_FILE
-from core.kinds.predict import PredictParams
+from core.kinds.batch_predict.params import BatchPredictParams
+from core.kinds.batch_predict.submit import RESULTS_FILE
 from core.schemas import CheckpointInfo, Job, PredictSummary, Progress
 from core.storage import sha256_file
 from worker.checkpoint import load_model
@@ -53,7 +53,7 @@ WORKING_FILE = "results.part.jsonl"
 
 
 def run_predict_job(job: Job, ctx: JobContext) -> JobOutcome:
-    params = PredictParams.model_validate(job.params)  # resolved at submit (core/kinds/predict.py)
+    params = BatchPredictParams.of(job)  # resolved at submit (core/kinds/batch_predict/params.py)
     labeled = params.labeled
     root = ctx.settings.datasets_dir / job.dataset
     if not root.is_dir():

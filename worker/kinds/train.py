@@ -1,6 +1,6 @@
 """A training job on this worker's device: data in, checkpoint out.
 
-Reads the params stored at submit (core/kinds/train.py), loads the starting weights when the job has
+Reads the params stored at submit (core/kinds/train/), loads the starting weights when the job has
 some (`init_from` a job, or `pretrained`: worker/init_weights.py), loads the dataset at the input
 size and resize resolved at submit, lets `plan_training` make this device's choices (recorded
 beside the params as the job's `device_choices`, never into them), and runs the loop of
@@ -21,7 +21,7 @@ import torch
 from core.config import Settings
 from core.datasets import DatasetCatalog
 from core.jobs import JobStore
-from core.kinds.train import TrainingParams
+from core.kinds.train.params import TrainingParams
 from core.schemas import CheckpointInfo, Job
 from core.storage import CheckpointPaths, sha256_file
 from worker import init_weights
@@ -47,7 +47,7 @@ class TrainingInputs:
 
 def training_inputs(job: Job, settings: Settings, catalog: DatasetCatalog, store: JobStore, paths: CheckpointPaths,
                     torch_device: str, should_stop: Callable[[], str | None] | None = None) -> TrainingInputs:
-    params = TrainingParams.model_validate(job.params)  # resolved at submit (core/kinds/train.py)
+    params = TrainingParams.of(job)  # resolved at submit (core/kinds/train/resolution.py)
     channels, height, width = params.input_for(job.model)
     device = torch.device(torch_device)
     initial = _initial_weights(job, params, settings, store, paths, device)

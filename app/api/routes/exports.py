@@ -1,4 +1,4 @@
-"""GET /jobs/{id}/export: a trained job's model as TorchScript or ONNX, built on a worker (core/exports.py)."""
+"""GET /jobs/{id}/export: a trained job's model as TorchScript or ONNX, built on a worker (core/kinds/export/)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import FileResponse, JSONResponse
 
 from app.api.deps import ServicesDep
-from core.exports import MEDIA_TYPES, download_name
+from core.kinds.export.submit import MEDIA_TYPES, download_name
 from core.schemas import ExportFormat, Job
 
 router = APIRouter(tags=["exports"])

@@ -8,10 +8,10 @@ from sse_starlette import EventSourceResponse
 
 from app.api.deps import ServicesDep
 from app.api.sse import job_event_response, parse_last_event_id
-from core.batch_predict import RESULTS_MEDIA_TYPE, download_name
 from core.errors import NotFound
-from core.kinds.evaluate import EvaluateSpec
-from core.kinds.predict import PredictSpec
+from core.kinds.batch_predict.spec import BatchPredictSpec
+from core.kinds.batch_predict.submit import RESULTS_MEDIA_TYPE, download_name
+from core.kinds.evaluate.spec import EvaluateSpec
 from core.kinds.request import JobRequest
 from core.schemas import Evaluation, Job, JobList, JobStatus
 from core.storage import CheckpointPaths
@@ -24,7 +24,7 @@ router = APIRouter(tags=["jobs"])
 def create_job(services: ServicesDep, spec: JobRequest, response: Response,
                idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> Job:
     """A training job (`kind` left out or "train"), or a batch-prediction job (`"kind": "predict"`)."""
-    if isinstance(spec, PredictSpec):
+    if isinstance(spec, BatchPredictSpec):
         job, created = services.batch_predictions.submit(spec, idempotency_key)
     else:
         job, created = services.submission.submit(spec, idempotency_key)
@@ -105,7 +105,7 @@ def get_evaluation(services: ServicesDep, job_id: str, evaluation_id: str) -> Ev
                              "description": "One JSON object per line and per image, in the dataset's sorted order"},
                        404: {"description": "no such predict job"}, 409: {"description": "not succeeded (yet)"}})
 def download_results(services: ServicesDep, job_id: str) -> FileResponse:
-    """A succeeded predict job's results file (core/batch_predict.py), streamed from disk."""
+    """A succeeded predict job's results file (core/kinds/batch_predict/submit.py), streamed from disk."""
     job, path = services.batch_predictions.results_file(job_id)
     headers = {"X-Results-SHA256": job.checkpoint.sha256} if job.checkpoint else None
     return FileResponse(path, media_type=RESULTS_MEDIA_TYPE, filename=download_name(job), headers=headers)

@@ -1,4 +1,5 @@
-"""Exports: a trained job's model as a file that runs without torchyard (TorchScript or ONNX).
+"""Exports, the API's side: a trained job's model as a file that runs without torchyard (TorchScript
+or ONNX).
 
 An export is built by a job of kind `export` on a worker (worker/kinds/export.py), never in the API
 process: it loads the checkpoint, traces or exports the network behind its normalisation, and
@@ -12,7 +13,7 @@ export job builds a (checkpoint sha256, format) pair, and what GET /jobs/{id}/ex
   lacked the `export` extra; `retry=true` builds it again;
 - none yet, or it was cancelled → a new export job, 202.
 
-The export job's parameters (core/kinds/export.py `ExportParams`) are written here at creation and read
+The export job's parameters (core/kinds/export/params.py `ExportParams`) are written here at creation and read
 by the worker (worker/kinds/export.py).
 """
 
@@ -26,7 +27,7 @@ import redis
 from core import keys
 from core.errors import Conflict, InvalidInput, NotAvailableHere, NotFound, Unavailable
 from core.jobs import JobStore
-from core.kinds.export import ExportParams
+from core.kinds.export.params import ExportParams
 from core.schemas import ExportFormat, Job, JobKind, JobStatus
 from core.storage import CheckpointPaths
 
@@ -86,7 +87,7 @@ class ExportCatalog:
         if job.kind is not JobKind.train or job.checkpoint is None:
             return []
         exports = (self._current(job.checkpoint.sha256, fmt) for fmt in ExportFormat)
-        return [e.id for e in exports if e is not None and ExportParams.model_validate(e.params).source_job_id == job.id]
+        return [e.id for e in exports if e is not None and ExportParams.of(e).source_job_id == job.id]
 
     def _current(self, sha: str, fmt: ExportFormat) -> Job | None:
         export_id = self.redis.get(keys.export(sha, fmt.value))
@@ -110,8 +111,8 @@ class ExportCatalog:
         try:
             params = ExportParams(source_job_id=source.id, format=fmt, checkpoint_sha256=sha)
             export, _ = self.store.create(model=source.model, dataset=source.dataset,
-                                          params=params.model_dump(mode="json"), requested_device="auto",
-                                          kind=JobKind.export, depends_on=source.id)  # the source stays while it is built
+                                          params=params, requested_device="auto",
+                                          depends_on=source.id)  # the source stays while it is built
             self.redis.set(keys.export(sha, fmt.value), export.id)
             return export
         finally:

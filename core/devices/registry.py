@@ -15,8 +15,11 @@ from typing import Any
 import redis
 
 from core import keys
+from core.devices.slots import slot_states
 from core.errors import DeviceInUse, InvalidInput
-from core.gangs import GangRecords, waiting_note
+from core.gangs.policy import waiting_note
+from core.gangs.records import GangRecords
+from core.kinds.train.params import TrainingParams
 from core.schemas import Device, Job, JobStatus
 
 OFFLINE_FORGET_S = 7 * 24 * 3600
@@ -161,16 +164,17 @@ class DeviceRegistry:
 
     def annotate(self, jobs: list[Job]) -> list[Job]:
         """Queued jobs say so when their device has no live worker, a data-parallel one what it waits
-        for (core/gangs.waiting_note): read live, never stale."""
+        for (core/gangs/policy.waiting_note): read live, never stale."""
         queued = [job for job in jobs if job.status is JobStatus.queued]
         if not queued:
             return jobs
         live = self.live()
         gangs = GangRecords(self.redis)
-        slots = gangs.slot_states([d.id for d in live]) if any(job.world_size > 1 for job in queued) else {}
+        slots = slot_states(self.redis, [d.id for d in live]) if any(job.world_size > 1 for job in queued) else {}
         for job in queued:
-            if job.world_size > 1:
-                job.message = waiting_note(job, gangs.read(job.id), live, slots)
+            if job.world_size > 1:  # a gang: a training job
+                params = TrainingParams.of(job)
+                job.message = waiting_note(job, params.world_size, params.elastic, gangs.read(job.id), live, slots)
                 continue
             note = self.waiting_note(job.requested_device, live)
             if note:

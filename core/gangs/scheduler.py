@@ -9,16 +9,17 @@ starts within a beat of enough devices being free, whichever worker freed them. 
 2. The waiting deliveries (`ty:gangs:waiting`), oldest job first: for each, the live devices of
    its type, packed by host (hosts with the most candidates first: fewer ranks talk across
    hosts), rank 0's device first when the job named one, go to ONE Lua script that checks each
-   device is alive and free and reserves `world_size` of them, or nothing. An elastic job that
-   was already delivered once (it resumes after a fault) takes as many as are free, from 1 up.
-   An `auto` gang runs on GPUs when enough GPU workers are live, else on CPUs (never a mix).
+   device is alive and free and reserves `world_size` of them, or nothing. How many it needs
+   (an elastic job resuming after a fault takes as many as are free, from 1 up) and which type
+   (`auto`: GPUs when enough GPU workers are live, else CPUs, never a mix) are the policy's
+   (core/gangs/policy.py `devices_needed`, `device_type_for`).
 3. For a reservation made, one `torchyard.train(job, token, seat)` message per rank, on each
    device's own queue (core/queue.py).
 
 A job that cannot be placed now waits. So that a backlog of single-device jobs cannot starve it,
 the OLDEST gang that waits and fits the live devices (and only it: two waiting gangs never hold
 devices at once, so they cannot block each other) holds the devices it will use, as
-core/gang_policy.py decides: the free ones at once, and, while those are too few, every busy one
+core/gangs/policy.py decides: the free ones at once, and, while those are too few, every busy one
 of its type for when its task ends (the task's release turns that promise into the hold, so the
 next single-device job in the queue does not take it). A worker whose device is held gives a
 single-device job back to its queue; the gang starts at the first pass after enough of its
@@ -29,7 +30,6 @@ gang still starts on free devices nobody holds.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,15 +38,24 @@ import redis
 
 from core import keys
 from core.clock import redis_now
-from core.gang_policy import HOLD_S, Holder, hold_plan, placement_order, read_slot
-from core.gangs import GANG_RECORD_TTL_S, Seat, new_attempt, parse_gang
+from core.gangs.policy import (
+    HOLD_S,
+    RECORD_TTL_S,
+    SCHEDULER_LOCK_MS,
+    WAITING_BATCH,
+    Holder,
+    device_type_for,
+    devices_needed,
+    hold_plan,
+    placement_order,
+    read_slot,
+)
+from core.gangs.records import Seat, new_attempt, parse_gang
+from core.kinds.train.params import TrainingParams
 from core.queue import Dispatch, TrainDelivery, gang_request, queue_for_device
 from core.schemas import Device, JobStatus
 
 log = logging.getLogger(__name__)
-
-WAITING_BATCH = 50  # waiting deliveries looked at per pass
-LOCK_MS = 1000
 
 # KEYS: job hash, gang hash, waiting set, reserved set, then per candidate its slot and alive keys.
 # ARGV: task id, token, attempt, want, least, reservation seconds, job id, pinned ("1": candidate 1 must
@@ -114,7 +123,7 @@ for _, i in ipairs(chosen) do out[#out + 1] = i end
 return out
 """
 
-# Apply a pass's hold plan (core/gang_policy.hold_plan). KEYS: then the slots of the devices named.
+# Apply a pass's hold plan (core/gangs/policy.hold_plan). KEYS: then the slots of the devices named.
 # ARGV: the holder's waiting delivery, its job id, hold seconds, then per slot 'hold' or 'drop'. A hold
 # makes a free slot (or one whose reservation lapsed, or held by anyone) held for the holder; a slot
 # busy with a task, or reserved for a rank, is promised to it instead (its release holds it).
@@ -182,7 +191,7 @@ class GangScheduler:
                  reservation_s: float, hold_s: float = HOLD_S, instance: str = "") -> None:
         self.redis = client
         self.dispatch = dispatch
-        self.devices = devices  # every device's last heartbeat record (core/devices.DeviceRegistry.all)
+        self.devices = devices  # every device's last heartbeat record (core/devices/registry.DeviceRegistry.all)
         self.reservation_s = reservation_s
         self.hold_s = hold_s
         self.instance = instance or new_attempt()
@@ -199,7 +208,7 @@ class GangScheduler:
         waiting, reserved = pipe.execute()
         if not waiting and not reserved:
             return []
-        if not self.redis.set(keys.GANGS_LOCK, self.instance, nx=True, px=LOCK_MS):
+        if not self.redis.set(keys.GANGS_LOCK, self.instance, nx=True, px=SCHEDULER_LOCK_MS):
             return []  # another worker's pass (their reservations are atomic anyway: this only saves work)
         try:
             if reserved:
@@ -237,23 +246,14 @@ class GangScheduler:
         if status != JobStatus.queued.value or not queue:
             self.redis.zrem(keys.GANGS_WAITING, entry)
             return "skipped"
-        params = json.loads(raw_params or "{}")
-        world_size = int(params.get("world_size") or 1)
-        least = 1 if params.get("elastic") and int(attempts or 0) > 0 else world_size
+        params = TrainingParams.model_validate_json(raw_params or "{}")  # a gang is a training job
+        world_size = params.world_size
+        least = devices_needed(world_size, params.elastic, int(attempts or 0) > 0)
         requested = gang_request(queue)
         pinned = next((d for d in live if d.id == requested), None)
-        if requested in ("cuda", "cpu"):
-            kinds = [requested]
-        elif requested == "auto":
-            kinds = ["cuda", "cpu"]
-        elif pinned is not None:
-            kinds = [pinned.type]
-        else:
-            return "skipped"  # rank 0's device is offline: the job waits for it
-        # An auto gang runs on GPUs when enough GPU workers are live, else on CPUs.
-        kind = next((k for k in kinds if sum(d.type == k for d in live) >= least), None)
-        if kind is None:
-            return "skipped"
+        kind = device_type_for(requested, live, least)
+        if kind is None or sum(d.type == kind for d in live) < least:
+            return "skipped"  # too few live devices of its type, or rank 0's device is offline: it waits
         candidates = placement_order([d for d in live if d.type == kind], pinned.id if pinned else None)
         attempt = new_attempt()
         slot_keys = [k for d in candidates for k in (keys.device_slot(d.id), keys.device_alive(d.id))]
@@ -261,7 +261,7 @@ class GangScheduler:
         result = self._reserve(
             keys=[keys.job(job_id), keys.gang(job_id), keys.GANGS_WAITING, keys.GANGS_RESERVED, *slot_keys],
             args=[entry, token, attempt, world_size, least, self.reservation_s, job_id, "1" if pinned else "0",
-                  GANG_RECORD_TTL_S, *names])
+                  RECORD_TTL_S, *names])
         if result[0] < 0:
             return "skipped"
         if result[0] == 0:
@@ -270,7 +270,7 @@ class GangScheduler:
         return "placed"
 
     def _apply_holds(self, waits: Waits | None, live: list[Device]) -> None:
-        """Hold for the oldest waiting gang what core/gang_policy.hold_plan says, and let go of every
+        """Hold for the oldest waiting gang what core/gangs/policy.hold_plan says, and let go of every
         other hold; one read of the live devices' slots, one script."""
         ids = [d.id for d in live]
         now, raws = self._read_slots(ids)

@@ -11,11 +11,12 @@ import pytest
 import redis
 
 from core.errors import Conflict, InvalidInput, NotAvailableHere
-from core.exports import UNAVAILABLE_PREFIX, ExportCatalog, export_path
 from core.jobs import JobStore
 from core.kinds.export import ExportParams
+from core.kinds.export.submit import UNAVAILABLE_PREFIX, ExportCatalog, export_path
 from core.schemas import ExportFormat, JobKind, JobStatus
 from core.storage import CheckpointPaths
+from tests.core.kinds.examples import train_params
 
 
 @pytest.fixture
@@ -34,7 +35,7 @@ def _run(store: JobStore, job_id: str, status: JobStatus, **finish) -> None:
 
 
 def _trained(store: JobStore, sha: str = "ab" * 32) -> str:
-    job, _ = store.create(model="cifar_net", dataset="fake", params={"epochs": 1}, requested_device="auto")
+    job, _ = store.create(model="cifar_net", dataset="fake", params=train_params(epochs=1), requested_device="auto")
     _run(store, job.id, JobStatus.succeeded,
          checkpoint={"url": f"/jobs/{job.id}/checkpoint", "sha256": sha, "bytes": 10})
     return job.id
@@ -81,7 +82,7 @@ def test_a_failed_export_answers_its_failure_until_retry(setup) -> None:
 
 def test_only_a_succeeded_training_job_is_exported(setup) -> None:
     store, catalog, _ = setup
-    running, _ = store.create(model="cifar_net", dataset="fake", params={"epochs": 1}, requested_device="auto")
+    running, _ = store.create(model="cifar_net", dataset="fake", params=train_params(epochs=1), requested_device="auto")
     _run(store, running.id, JobStatus.running)
     with pytest.raises(Conflict, match="running"):
         catalog.request(running.id, ExportFormat.torchscript)

@@ -1,4 +1,4 @@
-"""Evaluations: a trained job's checkpoint measured on a dataset, as work on a worker.
+"""Evaluations, the API's side: a trained job's checkpoint measured on a dataset, as a job.
 
 `POST /jobs/{id}/evaluate` creates a job of kind `evaluate` (same lifecycle as training: queued →
 running → succeeded, leases, redelivery, events) whose params name the trained job; the worker's
@@ -14,11 +14,11 @@ import time
 from core import keys
 from core.datasets import DatasetRecord, builtin_classes
 from core.errors import InvalidInput, NotFound
-from core.kinds import evaluate
-from core.kinds.evaluate import EvaluateParams, EvaluateSpec
+from core.kinds.evaluate.params import EvaluateParams, resolve
+from core.kinds.evaluate.spec import EvaluateSpec
+from core.kinds.submitter import Submitter, check_two_classes, unlabeled_message
 from core.lineage import trained_source
 from core.schemas import Evaluation, Job, JobKind
-from core.submission import Submitter, check_two_classes, unlabeled_message
 
 # GET /jobs/{id} shows this many of a job's evaluations, newest first.
 LISTED_EVALUATIONS = 50
@@ -42,16 +42,16 @@ class Evaluations(Submitter):
         _check_classes(trained, dataset)
         device = self.devices.validate_request(spec.device)
         job, created = self.store.create(model=trained.model, dataset=dataset.id,
-                                         params=evaluate.resolve(job_id, spec).model_dump(),
+                                         params=resolve(job_id, spec),
                                          requested_device=device, idempotency_key=idempotency_key,
-                                         kind=JobKind.evaluate, body_digest=digest, depends_on=job_id)
+                                         body_digest=digest, depends_on=job_id)
         if created:
             self.store.redis.zadd(keys.job_evaluations(job_id), {job.id: time.time()})
         return self.view(job), created
 
     def get(self, job_id: str, evaluation_id: str) -> Evaluation:
         job = self.store.get(evaluation_id)
-        if job.kind is not JobKind.evaluate or EvaluateParams.model_validate(job.params).trained_job != job_id:
+        if job.kind is not JobKind.evaluate or EvaluateParams.of(job).trained_job != job_id:
             raise NotFound(f"job {job_id} has no evaluation {evaluation_id}")
         return self.view(job)
 
@@ -73,7 +73,7 @@ class Evaluations(Submitter):
 
     def view(self, job: Job) -> Evaluation:
         self.catalog.annotate([job])
-        return Evaluation(id=job.id, job_id=EvaluateParams.model_validate(job.params).trained_job, status=job.status,
+        return Evaluation(id=job.id, job_id=EvaluateParams.of(job).trained_job, status=job.status,
                           dataset=job.dataset, dataset_name=job.dataset_name, device=job.device, error=job.error,
                           created_at=job.created_at, finished_at=job.finished_at, result=job.evaluation)
 

@@ -1,9 +1,10 @@
-"""Gang reservation against a real Redis and the real dispatcher (Celery messages in kombu's lists):
-a data-parallel job's ranks are reserved all at once or not at all, two gangs never split the
-devices between them, a reserved device refuses single-device jobs, a reservation that lapses
-frees its devices and its late messages run nothing, an elastic job resumes on what is free; the
-oldest waiting gang holds free devices and the busy ones for when their job ends, lets go of what
-it does not use, and the slot scripts decide as core/gang_policy.py does."""
+"""The gang scheduler (core/gangs/scheduler.py) against a real Redis and the real dispatcher (Celery
+messages in kombu's lists): a data-parallel job's ranks are reserved all at once or not at all, two
+gangs never split the devices between them, a reserved device refuses single-device jobs, a
+reservation that lapses frees its devices and its late messages run nothing, an elastic job resumes
+on what is free; the oldest waiting gang holds free devices and the busy ones for when their job
+ends, and lets go of what it does not use. tests/core/devices/test_slots.py checks the slot scripts
+decide as core/gangs/policy.py does."""
 
 from __future__ import annotations
 
@@ -14,17 +15,13 @@ import pytest
 import redis
 
 from core import keys
-from core.clock import redis_now
 from core.config import Settings
-from core.devices import DeviceRegistry
-from core.errors import InvalidInput
-from core.gang_policy import read_slot, single_may_start
-from core.gang_scheduler import GangScheduler
-from core.gangs import DeviceSlots, GangRecords, Seat, check_world_size
+from core.devices import DeviceRegistry, DeviceSlots
+from core.gangs import GangRecords, GangScheduler, Seat
 from core.jobs import JobStore
-from core.kinds.train import JobSpec, resolve_params
 from core.queue import create_celery, dispatcher, queue_for_device, waiting_task_ids
 from core.schemas import Device, JobStatus
+from tests.core.kinds.examples import train_params
 
 
 @pytest.fixture
@@ -51,8 +48,7 @@ def _device(registry: DeviceRegistry, device_id: str, kind: str = "cpu") -> None
 
 
 def _gang_job(store: JobStore, world_size: int = 2, elastic: bool = False, device: str = "cpu") -> tuple[str, str]:
-    params = resolve_params(JobSpec(model="cifar_net", dataset="fake", batch_size=48, world_size=world_size,
-                                    elastic=elastic)).model_dump()
+    params = train_params(batch_size=48, world_size=world_size, elastic=elastic)
     job, _ = store.create(model="cifar_net", dataset="fake", params=params, requested_device=device)
     return job.id, store.raw_field(job.id, "delivery") or ""
 
@@ -130,7 +126,7 @@ def test_a_reserved_device_refuses_single_jobs_and_a_lapsed_reservation_runs_not
     attempt = GangRecords(client).read(job_id).attempt  # type: ignore[union-attr]
 
     # A single-device job's message reaches a reserved worker: refused, and sent back to its queue.
-    single, _ = store.create(model="cifar_net", dataset="fake", params={"epochs": 1}, requested_device="auto")
+    single, _ = store.create(model="cifar_net", dataset="fake", params=train_params(epochs=1), requested_device="auto")
     single_token = store.raw_field(single.id, "delivery") or ""
     client.delete("train")  # the worker took its message
     a = DeviceSlots(client, "a/cpu")
@@ -210,47 +206,6 @@ def test_a_gang_lets_go_of_what_it_no_longer_needs(cluster: dict) -> None:
     assert b.state() == {}
 
 
-def test_the_slot_scripts_decide_as_the_policy_does(cluster: dict) -> None:
-    """Starting a single-device job (refused or not) and ending a task (free, or held for the gang it
-    was promised to), by the Lua scripts, against core/gang_policy.read_slot and single_may_start."""
-    client = cluster["client"]
-    client.zadd(keys.GANGS_WAITING, {"gang.t": 0})
-    now = redis_now(client)
-    future, past = f"{now + 60:.6f}", f"{now - 1:.6f}"
-    slots = {
-        "empty": {},
-        "busy": {"state": "busy", "job": "x", "token": "t"},
-        "reserved": {"state": "reserved", "job": "gang", "deadline": future},
-        "reserved, lapsed": {"state": "reserved", "job": "gang", "deadline": past},
-        "held": {"state": "held", "job": "gang", "entry": "gang.t", "deadline": future},
-        "held, lapsed": {"state": "held", "job": "gang", "entry": "gang.t", "deadline": past},
-        "held, its gang gone": {"state": "held", "job": "gone", "entry": "gone.t", "deadline": future},
-        "held, by an older worker": {"state": "held", "job": "gang", "deadline": future},
-    }
-    for name, raw in slots.items():
-        device = f"take-{len(name)}-{name.replace(' ', '')}/cpu"
-        if raw:
-            client.hset(keys.device_slot(device), mapping=raw)
-        expected = single_may_start(read_slot(device, raw, redis_now(client), {"gang.t"}))
-        assert DeviceSlots(client, device).take_for_job("single", "s") == expected, name
-    promises = {
-        "promised": {"hold_job": "gang", "hold_entry": "gang.t", "hold_deadline": future},
-        "promise lapsed": {"hold_job": "gang", "hold_entry": "gang.t", "hold_deadline": past},
-        "promised to a gang gone": {"hold_job": "gone", "hold_entry": "gone.t", "hold_deadline": future},
-        "not promised": {},
-    }
-    for name, promise in promises.items():
-        device = f"release-{name.replace(' ', '')}/cpu"
-        raw = {"state": "busy", "job": "x", "token": "t", **promise}
-        client.hset(keys.device_slot(device), mapping=raw)
-        view = read_slot(device, raw, redis_now(client), {"gang.t"})
-        DeviceSlots(client, device).release("x", "t")
-        after = client.hgetall(keys.device_slot(device))
-        assert (after.get("state") == "held") == bool(view.promised), name
-        assert after == ({"state": "held", "job": "gang", "entry": "gang.t", "deadline": future}
-                         if view.promised else {}), name
-
-
 def test_an_elastic_job_resumes_on_what_is_free_and_rank_zero_goes_where_it_was_asked(cluster: dict) -> None:
     store, client, scheduler = cluster["store"], cluster["client"], cluster["scheduler"]
     for device in ("a/cpu", "b/cpu", "c/cpu"):
@@ -273,21 +228,3 @@ def test_an_elastic_job_resumes_on_what_is_free_and_rank_zero_goes_where_it_was_
     DeviceSlots(client, "b/cpu").release("other2", "t")
     assert scheduler.run_once() == [pinned]
     assert [m.device for m in GangRecords(client).read(pinned).members] == ["b/cpu", "a/cpu"]  # type: ignore[union-attr]
-
-
-def test_submit_checks_the_world_size_against_the_devices_that_exist() -> None:
-    devices = [Device(id=f"{n}/cpu", type="cpu", index=None, name="cpu", memory_total_bytes=None,
-                      memory_used_bytes=None, utilization_percent=None, worker=f"cpu@{n}", status="offline",
-                      current_job=None, loaded_models=[], last_heartbeat="2026-01-01T00:00:00+00:00")
-               for n in ("h1", "h2")]
-    check_world_size(2, "cpu", devices)
-    check_world_size(2, "auto", devices)
-    with pytest.raises(InvalidInput, match="2 exist"):
-        check_world_size(3, "auto", devices)
-    with pytest.raises(InvalidInput, match="0 exist"):
-        check_world_size(2, "cuda", devices)
-    with pytest.raises(InvalidInput, match="must divide by world_size"):
-        resolve_params(JobSpec(model="cifar_net", dataset="fake", batch_size=65, world_size=2))
-    with pytest.raises(InvalidInput, match="give batch_size"):
-        resolve_params(JobSpec(model="cifar_net", dataset="fake", world_size=3))
-    assert resolve_params(JobSpec(model="cifar_net", dataset="fake", world_size=4)).batch_size is None  # 128, 256

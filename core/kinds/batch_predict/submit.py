@@ -1,6 +1,7 @@
-"""Batch predictions: a trained job's model over every image of an uploaded dataset, as a job.
+"""Batch predictions, the API's side: a trained job's model over every image of an uploaded dataset,
+as a job.
 
-`POST /jobs` with `"kind": "predict"` creates a job of kind `predict` (the lifecycle of every
+`POST /jobs` with `"kind": "predict"` creates a batch-prediction job (the lifecycle of every
 kind: queued → running → succeeded, leases, redelivery, cancel, events); the worker's handler
 (worker/kinds/predict.py) writes one JSON line per image into the job's `results.jsonl`, which
 `GET /jobs/{id}/results` streams once the job succeeded. This module is the API's side: what a
@@ -19,23 +20,23 @@ from pathlib import Path
 
 from core.aliases import AliasStore
 from core.errors import Conflict, InvalidInput, NotFound
-from core.kinds import predict
-from core.kinds.predict import PredictSpec
+from core.kinds.batch_predict.params import resolve
+from core.kinds.batch_predict.spec import BatchPredictSpec
+from core.kinds.submitter import Submitter
 from core.lineage import trained_source
 from core.schemas import Job, JobKind, JobStatus
 from core.storage import CheckpointPaths
-from core.submission import Submitter
 
 RESULTS_FILE = "results.jsonl"
 RESULTS_MEDIA_TYPE = "application/x-ndjson"
 
 
 class BatchPredictions(Submitter):
-    def submit(self, spec: PredictSpec, idempotency_key: str | None = None) -> tuple[Job, bool]:
-        """Queue a predict job. 404 an unknown job or alias, 409 a training job without a checkpoint
+    def submit(self, spec: BatchPredictSpec, idempotency_key: str | None = None) -> tuple[Job, bool]:
+        """Queue a batch prediction. 404 an unknown job or alias, 409 a training job without a checkpoint
         (yet), 422 a job that is not a training job, a dataset that is unknown or built in, a top_k
         beyond the model's classes, a device nobody could be."""
-        digest, earlier = self.replay(JobKind.predict, spec.model_dump(mode="json"), idempotency_key)
+        digest, earlier = self.replay(JobKind.batch_predict, spec.model_dump(mode="json"), idempotency_key)
         if earlier is not None:  # a retry: its job, whatever changed since it was checked
             return earlier, False
         trained_id = self._trained_job_id(spec)
@@ -50,17 +51,17 @@ class BatchPredictions(Submitter):
                                f"files (POST /datasets, labels=none for a folder without classes)")
         dataset = self.catalog.claim_for_job(dataset.id)  # marked as used: not deleted before the job exists
         device = self.devices.validate_request(spec.device)
-        params = predict.resolve(trained_id, spec, dataset)
-        job, created = self.store.create(model=trained.model, dataset=dataset.id, params=params.model_dump(),
+        params = resolve(trained_id, spec, dataset)
+        job, created = self.store.create(model=trained.model, dataset=dataset.id, params=params,
                                          requested_device=device, idempotency_key=idempotency_key,
-                                         kind=JobKind.predict, body_digest=digest,
+                                         body_digest=digest,
                                          depends_on=trained_id)  # its checkpoint stays while this runs
         return job, created
 
     def results_file(self, job_id: str) -> tuple[Job, Path]:
-        """The finished results of a predict job: 404 unknown (or not a predict job), 409 not succeeded."""
+        """The finished results of a batch prediction: 404 unknown (or another kind), 409 not succeeded."""
         job = self.store.get(job_id)
-        if job.kind is not JobKind.predict:
+        if job.kind is not JobKind.batch_predict:
             raise NotFound(f"job {job_id} is a {job.kind.value} job; only predict jobs have results")
         path = results_path(self.paths, job_id)
         if job.status is not JobStatus.succeeded:
@@ -69,15 +70,15 @@ class BatchPredictions(Submitter):
             raise NotFound(f"the results of job {job_id} are no longer on this server")
         return job, path
 
-    def _trained_job_id(self, spec: PredictSpec) -> str:
+    def _trained_job_id(self, spec: BatchPredictSpec) -> str:
         if spec.alias is not None:
             return AliasStore(self.store.redis).get(spec.alias).job_id  # NotFound: 404
-        assert spec.job_id is not None  # PredictSpec wants exactly one of them
+        assert spec.job_id is not None  # BatchPredictSpec wants exactly one of them
         return spec.job_id
 
 
 def results_path(paths: CheckpointPaths, job_id: str) -> Path:
-    """Where a succeeded predict job's file is (promoted there from its delivery's directory)."""
+    """Where a succeeded batch prediction's file is (promoted there from its delivery's directory)."""
     return paths.job_dir(job_id) / RESULTS_FILE
 
 
