@@ -51,6 +51,10 @@ if TYPE_CHECKING:
     from core.devices.slots import SlotState
     from core.schemas import Device, Job
 
+# A device slot's states as a pass reads them (core/devices/slots.py), and what a pass does to one.
+FREE, HELD, RESERVED, BUSY = "free", "held", "reserved", "busy"
+HOLD, DROP = "hold", "drop"
+
 # --- the timings, all of them ---------------------------------------------------------------
 # How long a hold (or a promise) lasts unless a pass renews it: every live worker's heartbeat runs
 # a pass, so this only ends holds that nobody renews (the workers are gone).
@@ -87,8 +91,6 @@ def collective_timeout_s(settings: Settings) -> float:
 
 
 # --- how many devices, and of which type ------------------------------------------------------
-FREE, HELD, RESERVED, BUSY = "free", "held", "reserved", "busy"
-HOLD, DROP = "hold", "drop"
 # The device types a gang may run on, in the order an `auto` gang tries them.
 DEVICE_TYPES = ("cuda", "cpu")
 
