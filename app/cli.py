@@ -46,11 +46,11 @@ def _api(settings: Settings, _: argparse.Namespace) -> int:
 
 def _worker(settings: Settings, args: argparse.Namespace) -> int:
     from core.errors import DeviceInUse
-    from worker.device import DeviceChoice, PinningError, exec_pinned, is_pinned, resolve_worker_device
+    from worker.device.pinning import DeviceChoice, PinningError, exec_pinned, is_pinned, resolve_worker_device
 
     # No OpenMP wait policy is set: OpenMP threads that sleep between operators (PASSIVE) cost a CPU
     # training loop about a third of its speed (docs/benchmarks.md). libgomp's spin is capped instead
-    # (worker/device.openmp_environment), unless the operator set GOMP_SPINCOUNT or OMP_WAIT_POLICY.
+    # (worker/device/pinning.openmp_environment), unless the operator set GOMP_SPINCOUNT or OMP_WAIT_POLICY.
     try:
         choice = DeviceChoice.parse(args.device)
         if not is_pinned(args.device, os.environ):
@@ -61,7 +61,7 @@ def _worker(settings: Settings, args: argparse.Namespace) -> int:
         from app.process import prefer_as_oom_victim
 
         prefer_as_oom_victim(settings.worker_oom_score_adj)  # a worker, never Redis, when memory runs out
-        from worker.main import run_worker
+        from worker.runtime.main import run_worker
 
         return run_worker(settings, device)
     except (PinningError, DeviceInUse) as exc:

@@ -37,7 +37,7 @@ EXPLAINED = """The floor (a fresh process per setting, best setting shown first)
 stack's processes stopped (SIGSTOP), so nothing of ours runs beside it. A job on a CPU worker
 decodes in one DataLoader process and runs the forward on the rest of the cores (2 cores: one torch
 thread), or on every core once its second batch shows decoding to be light beside the forward
-(worker/predict_decode.ForwardThreadChoice: resnet18 here, 0.63× of its floor before, 0.85× and 0.96× in
+(worker/data/batch_predict_loader.ForwardThreadChoice: resnet18 here, 0.63× of its floor before, 0.85× and 0.96× in
 two runs after; 0.83× of a floor that now includes the traced graph, which the job runs too); measured with the handler's own loop on this host (bench-free, 10,000 files), one thread
 with a decode process did 4,300 to 5,000 img/s for cifar_net against 3,000 to 3,100 with two torch
 threads beside the decoder (the forward's spinning threads and the decoder take turns on 2 cores),
@@ -50,10 +50,10 @@ image, were: forward on one thread 44 µs, the decode process 33 µs, the lines 
 of CPU per image on 2 cores, a ceiling of ~25,000 img/s, 0.57× of a 45,000 img/s floor (the job
 did 14,200 to 15,300 img/s in the service and its loop alone 16,400 to 18,100; two decode processes,
 or two torch threads, were slower). Since the evening of 2026-11-24 the worker starts with libgomp's spin capped
-(worker/device.openmp_environment), which costs resnet18's job about 7% (its handler, eight jobs
+(worker/device/pinning.openmp_environment), which costs resnet18's job about 7% (its handler, eight jobs
 each, alternating: 2,297 to 2,518 against 2,412 to 2,707 img/s) and gains /predict at 32 clients
 about a fifth; the decode processes run at nice 10, yielding the cores to the forward's threads
-(worker/predict_decode._decode_at_lower_priority, called by worker/kinds/predict.py)."""
+(worker/data/batch_predict_loader._decode_at_lower_priority, called by worker/kinds/batch_predict.py)."""
 
 
 def images_zip(n: int) -> bytes:

@@ -16,11 +16,11 @@ the summary gives each cell's best and its range over the rounds.
 
 Accuracy (--accuracy): the worker's own Trainer on the built-in `fake` set (2,560 images, 10 %
 held out: the default), the same seed, fp32 in NCHW against bf16 autocast in channels_last (what
-worker/recipe.choose_precision picks for a CPU with native bf16): the kept weights' validation
+worker/training/recipe.choose_precision picks for a CPU with native bf16): the kept weights' validation
 accuracy and loss of each.
 
 The CPU's flags (avx512_bf16, amx_bf16) are printed with the results: they are what
-worker/recipe.choose_precision decides by.
+worker/training/recipe.choose_precision decides by.
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ def accuracy(epochs: int) -> None:
     import torch
 
     from core.kinds.train import JobSpec, resolve_params
-    from worker.data import load_fake
-    from worker.trainer import Trainer, plan_training
+    from worker.data.datasets import load_fake
+    from worker.training.trainer import Trainer, plan_training
 
     class Quiet:
         def progress(self, *_: object) -> None: ...

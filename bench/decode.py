@@ -1,5 +1,5 @@
 """Decoding images for training: one image (full decode against JPEG draft), and a whole uploaded
-set (one loop, a thread pool, the process pool of worker/dataset_decode.py).
+set (one loop, a thread pool, the process pool of worker/data/dataset_decode.py).
 
     flock /tmp/torchyard-bench.lock .venv/bin/python bench/decode.py [--jpegs 1200] [--pngs 12000] [--rounds 5]
 
@@ -16,7 +16,7 @@ quality 85, a smooth random colour field with pixel noise, ~40 KB), one 2000×15
    32×32), each variant in a fresh
    process, alternating, --rounds rounds: `loop` (one thread, what load_image_folder did),
    `threads-k` (a ThreadPoolExecutor of k threads over the same chunks), `processes-k`
-   (worker/dataset_decode.decode_files with k processes, at the caller's priority like the
+   (worker/data/dataset_decode.decode_files with k processes, at the caller's priority like the
    others: a worker runs them niced; its first call in a process starts the forkserver, reported
    apart as `first call`).
 """
@@ -61,7 +61,7 @@ def per_image(root: Path, rounds: int) -> list[dict]:
     import numpy as np
     from PIL import Image
 
-    from worker.preprocess import image_to_array
+    from worker.data.image_array import image_to_array
 
     cases = [("500x375 JPEG -> 32x32", sorted((root / "jpg").glob("*/*.jpg"))[:20], (3, 32, 32, None)),
              ("500x375 JPEG -> 224x224", sorted((root / "jpg").glob("*/*.jpg"))[:20], (3, 224, 224, None)),
@@ -150,7 +150,7 @@ def gil_share(root: Path, rounds: int) -> list[dict]:
 
     from PIL import Image
 
-    from worker.preprocess import image_to_array
+    from worker.data.image_array import image_to_array
 
     big = (root / "photo-2000x1500.jpg").read_bytes()
     loaded = Image.open(io.BytesIO(big))
@@ -240,7 +240,8 @@ import json, sys, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
-from worker.dataset_decode import InputSpec, decode_chunk, decode_files, CHUNKS_PER_PROCESS, MAX_CHUNK
+from worker.data.dataset_decode import decode_chunk, decode_files, CHUNKS_PER_PROCESS, MAX_CHUNK
+from worker.data.image_array import InputSpec
 
 def main():
     root, kind, spec_json, variant = Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]

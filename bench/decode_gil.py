@@ -2,7 +2,7 @@
 
     flock /tmp/torchyard-bench.lock .venv/bin/python bench/decode_gil.py [--seconds 2] [--repeats 3] [--write-docs]
 
-The decode is the worker's own, worker/serving/decode.decode_image with a checkpoint's
+The decode is the worker's own, worker/data/image_array.decode_image with a checkpoint's
 preprocessing, on three images: the photo of bench/photos.py (a 500×375 JPEG of ~38 KB) to
 224×224 (resnet18 at 224) and to 32×32 (cifar_net), and a 32×32 PNG (bench/predict.py's) to
 32×32. Two measures, each the best of `--repeats` (a shared host: the best is the least disturbed):
@@ -51,16 +51,17 @@ def image(case: str) -> bytes:
 
 def decoder(case: str):
     """A function decoding the case's image once, as the worker does it."""
-    from worker.checkpoint import ModelMeta, Preprocessing
-    from worker.serving.decode import decode_image
+    from worker.checkpoints.format import ModelMeta, Preprocessing
+    from worker.data.image_array import InputSpec, decode_image
 
     size = CASES[case][1]
     meta = ModelMeta("bench", 10, [str(i) for i in range(10)],
                      Preprocessing(3, size, size, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)), "bench")
     data = image(case)
+    spec = InputSpec.of(meta.preprocessing)
     for _ in range(20):
-        decode_image(data, meta, MAX_PIXELS)
-    return lambda: decode_image(data, meta, MAX_PIXELS)
+        decode_image(data, spec, MAX_PIXELS)
+    return lambda: decode_image(data, spec, MAX_PIXELS)
 
 
 def _loop(decode, stop: float, counts: list[int], slot: int) -> None:
@@ -181,7 +182,7 @@ def report(rows: list[dict[str, Any]], argv: str, cores: int, loads: tuple[float
              + (" (a LOADED host: the others' work took cores meanwhile, which inflates f and flattens the "
                 "speed-ups)" if max(loads) >= 1.5 else " (a quiet moment)")
              + f". Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.", "",
-             f"| image (worker/serving/decode.decode_image) | CPU per image, one thread | GIL held: f, per image (each repeat's f) "
+             f"| image (worker/data/image_array.decode_image) | CPU per image, one thread | GIL held: f, per image (each repeat's f) "
              f"| Amdahl bound: {cores} threads, any number | {cores} threads ÷ 1 thread, measured "
              f"| {cores} processes ÷ 1 process, measured | f from the two speed-ups |",
              "|---|---:|---|---:|---:|---:|---:|"]

@@ -16,7 +16,8 @@ import numpy as np
 from PIL import Image
 
 from bench.photo_data import jpeg as photo_jpeg_of
-from worker.serving.decode_processes import DecodeProcesses, Spec, decode_chunk
+from worker.data.image_array import InputSpec
+from worker.serving.decode_processes import DecodeProcesses, decode_chunk
 
 BATCH = 32
 
@@ -32,12 +33,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    cases: list[tuple[str, bytes, Spec]] = [
-        ("32×32 PNG → 32", _encoded(32, "PNG"), (3, 32, 32, None)),
-        ("64×64 JPEG → 32", _encoded(64, "JPEG"), (3, 32, 32, None)),
-        ("256×256 JPEG → 64", _encoded(256, "JPEG"), (3, 64, 64, None)),
-        ("500×375 photo → 32", photo_jpeg_of(0, 0), (3, 32, 32, None)),
-        ("500×375 photo → 224", photo_jpeg_of(0, 0), (3, 224, 224, None)),
+    cases: list[tuple[str, bytes, InputSpec]] = [
+        ("32×32 PNG → 32", _encoded(32, "PNG"), InputSpec(3, 32, 32)),
+        ("64×64 JPEG → 32", _encoded(64, "JPEG"), InputSpec(3, 32, 32)),
+        ("256×256 JPEG → 64", _encoded(256, "JPEG"), InputSpec(3, 64, 64)),
+        ("500×375 photo → 32", photo_jpeg_of(0, 0), InputSpec(3, 32, 32)),
+        ("500×375 photo → 224", photo_jpeg_of(0, 0), InputSpec(3, 224, 224)),
     ]
     processes = DecodeProcesses(1, 10**8)
     first = [cases[0][1]]

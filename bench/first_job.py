@@ -6,7 +6,7 @@ against the same job on the decoded set (docs/benchmarks.md, "A first job's fixe
 Run as a module, like the worker (`python -m app.cli worker`): multiprocessing makes every decoding
 process import the main module, and this one imports what app/cli.py imports (torch only inside
 main()), so the pool's start costs what it costs in a worker. In one process: the worker's start
-(what worker/main.py prepares beside it, where that exists), `--idle` seconds (the upload), then
+(what worker/runtime/main.py prepares beside it, where that exists), `--idle` seconds (the upload), then
 job 1 on a fresh copy of the set and job 2 on the same set, each from load_image_folder to the first
 training step of epoch 1 (the trainer's set-up on this host's CPU; the epochs themselves are not
 run). The phases are timed by wrapping the functions that run them, so the same script times an
@@ -54,9 +54,9 @@ def timed(module: Any, name: str, label: str) -> None:
 def instrument() -> None:
     import torch
 
-    import worker.data as data
-    import worker.dataset_decode as decode
-    import worker.trainer as trainer
+    import worker.data.dataset_decode as decode
+    import worker.data.datasets as data
+    import worker.training.trainer as trainer
 
     pool: Callable[..., Any] = decode._pool
 
@@ -88,14 +88,14 @@ def instrument() -> None:
 def run(photos: Path, model: str) -> None:
     import torch
 
-    import worker.data as data
-    import worker.trainer as trainer
+    import worker.data.datasets as data
+    import worker.training.trainer as trainer
     try:
         from core.kinds.train import JobSpec, resolve_params
     except ImportError:  # an older tree (bench/first_job.py runs against one for the "before" figures)
         from core.params import resolve_params  # type: ignore[import-not-found,no-redef]
         from core.schemas import JobSpec  # type: ignore[attr-defined,no-redef]
-    from worker.job_context import StopJob
+    from worker.runtime.job_context import StopJob
 
     class Reporter:
         def progress(self, *_: Any) -> None: ...
@@ -147,7 +147,7 @@ def main() -> int:
     import torch  # noqa: F401  (a worker has it before its first job)
 
     try:
-        from worker.main import _prepare_for_jobs  # what the worker starts beside its start (newer trees)
+        from worker.runtime.main import _prepare_for_jobs  # what the worker starts beside its start (newer trees)
         threading.Thread(target=_prepare_for_jobs, daemon=True).start()
         prepared = "the worker's preparation started"
     except ImportError:

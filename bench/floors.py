@@ -4,7 +4,7 @@ best this host can do, which the service's figures are read against.
 - `forward_floor`: scale + normalise + forward + softmax of a checkpoint at given batch sizes, input
   resident on the device, best of torch threads × OpenMP waiting × precision (fp32, and bf16
   autocast where the hardware runs it natively) × graph (eager, or the worker's traced serving
-  graph, worker/forward_graph.py), a fresh process per (threads, OpenMP waiting, precision).
+  graph, worker/checkpoints/forward_graph.py), a fresh process per (threads, OpenMP waiting, precision).
 - `decode_ceiling`: Pillow decode + resize of one image to a model's input size in as many fresh
   processes as asked, all at once, best of with and without `Image.draft` (libjpeg's scaled
   decoding); these processes import no torch.
@@ -53,13 +53,13 @@ def clean_env(omp: str = "default") -> dict[str, str]:
 # ----------------------------------------------------------------------------- a checkpoint
 def make_checkpoint(data_dir: Path, model_name: str, size: int | None = None) -> tuple[str, Path]:
     """Untrained weights (seed 0) of `model_name` at its input size (or `size`×`size`), 10 classes,
-    written with worker.checkpoint.save_model where the service finds a job's final checkpoint:
+    written with worker.checkpoints.format.save_model where the service finds a job's final checkpoint:
     what a forward costs does not depend on what the weights learned."""
     import torch
 
     from core.storage import CheckpointPaths
     from models.registry import build_model, get_model_spec
-    from worker.checkpoint import ModelMeta, Preprocessing, save_model
+    from worker.checkpoints.format import ModelMeta, Preprocessing, save_model
 
     spec = get_model_spec(model_name).input
     height, width = (size, size) if size else (spec.height, spec.width)
@@ -83,9 +83,9 @@ def raw_forward(checkpoint: Path, batch: int, seconds: float, graph: str, device
     None where the worker would not use it either: a trace that differs from the eager module)."""
     import torch
 
-    from worker.checkpoint import load_model
-    from worker.forward_graph import build_forward
-    from worker.preprocess import normalize, stats_tensors
+    from worker.checkpoints.format import load_model
+    from worker.checkpoints.forward_graph import build_forward
+    from worker.data.normalization import normalize, stats_tensors
 
     model, meta = load_model(checkpoint, device)
     mean, std = stats_tensors(meta.preprocessing, device)
@@ -158,7 +158,7 @@ def forward_floor(checkpoint: Path, batches: list[int], seconds: float, settings
 
 # ----------------------------------------------------------------------------- decoding
 def decode_to(data: bytes, width: int, height: int, draft: bool) -> Any:
-    """Pillow decode + resize to width×height, as worker/preprocess.image_to_array does it (RGB,
+    """Pillow decode + resize to width×height, as worker/data/image_array.image_to_array does it (RGB,
     bilinear, C×H×W uint8), with libjpeg's scaled decoding first when `draft`."""
     import numpy as np
     from PIL import Image

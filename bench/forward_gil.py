@@ -1,10 +1,10 @@
-"""The forward beside a decoding thread: eager against the traced serving graph (worker/forward_graph.py).
+"""The forward beside a decoding thread: eager against the traced serving graph (worker/checkpoints/forward_graph.py).
 
     flock /tmp/torchyard-bench.lock .venv/bin/python bench/forward_gil.py [--seconds 3] [--rounds 2] [--write-docs]
 
 One process, as in a worker: a thread runs the serving forward (one torch thread, the way a CPU
 worker's device thread runs it while a job trains, and always on a 2-core host) in a loop, alone
-and then while another thread decodes 32×32 PNGs with worker/serving/decode.decode_image (PIL, as the
+and then while another thread decodes 32×32 PNGs with worker/data/image_array.decode_image (PIL, as the
 intake and decode threads do), for `--seconds` each; `--rounds` alternate the eager module and
 the traced graph. Reported: images/s of the forward, and the decoder's CPU per image (its
 thread's CPU time over the images it decoded), which GIL hand-offs inflate.
@@ -33,9 +33,9 @@ CELLS = (("cifar_net", 32), ("resnet18", 32), ("cifar_net", 1))
 def measure(model_name: str, batch: int, seconds: float, rounds: int) -> list[dict[str, float | str]]:
     import torch
 
-    from worker.checkpoint import load_model
-    from worker.forward_graph import ServingForward, build_forward
-    from worker.serving.decode import decode_image
+    from worker.checkpoints.format import load_model
+    from worker.checkpoints.forward_graph import ServingForward, build_forward
+    from worker.data.image_array import InputSpec, decode_image
 
     torch.set_num_threads(1)
     _, path = make_checkpoint(Path(tempfile.mkdtemp()), model_name)
@@ -46,6 +46,7 @@ def measure(model_name: str, batch: int, seconds: float, rounds: int) -> list[di
     eager = ServingForward(network, pre.mean, pre.std).eval()
     images = torch.randint(0, 256, (batch, pre.channels, pre.height, pre.width), dtype=torch.uint8)
     png = sample_png()
+    spec = InputSpec.of(meta.preprocessing)
 
     def forward_loop(run: Callable[[torch.Tensor], torch.Tensor], stop: threading.Event, done: list[int]) -> None:
         torch.set_num_threads(1)
@@ -64,7 +65,7 @@ def measure(model_name: str, batch: int, seconds: float, rounds: int) -> list[di
         started, cpu0, decoded = time.perf_counter(), time.thread_time(), 0
         if beside_decoder:
             while time.perf_counter() - started < seconds:
-                decode_image(png, meta, 10**8)
+                decode_image(png, spec, 10**8)
                 decoded += 1
         else:
             time.sleep(seconds)
@@ -85,15 +86,16 @@ def measure(model_name: str, batch: int, seconds: float, rounds: int) -> list[di
 
 
 def decode_alone(seconds: float) -> float:
-    from worker.checkpoint import ModelMeta, Preprocessing
-    from worker.serving.decode import decode_image
+    from worker.checkpoints.format import ModelMeta, Preprocessing
+    from worker.data.image_array import InputSpec, decode_image
 
     meta = ModelMeta("cifar_net", 10, [str(i) for i in range(10)], Preprocessing(3, 32, 32, (0.5,) * 3, (0.25,) * 3),
                      "x")
     png = sample_png()
+    spec = InputSpec.of(meta.preprocessing)
     started, cpu0, decoded = time.perf_counter(), time.thread_time(), 0
     while time.perf_counter() - started < seconds:
-        decode_image(png, meta, 10**8)
+        decode_image(png, spec, 10**8)
         decoded += 1
     return (time.thread_time() - cpu0) * 1e6 / decoded
 

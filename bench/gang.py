@@ -10,7 +10,7 @@ of a gang's step goes to communication.
     and global batch, seed 0) with `world_size` 1, then 2; images/s is the worker's own per-epoch
     figure (across the gang for 2 ranks), the best epoch after the first.
 (b) The step alone: two gloo processes, one thread each, run the trainer's own step
-    (worker/train_step.StepRunner under worker/distributed.GangPlacement) on the same model and
+    (worker/training/train_step.StepRunner under worker/gang/collectives.GangPlacement) on the same model and
     global batch, `--steps` steps with DistributedDataParallel's gradient all-reduce and as many
     inside its `no_sync()` (everything but the all-reduce), alternating, `--rounds` rounds, the best
     of each: the communication share of a step is 1 - t(no_sync) / t(with the all-reduce). And the
@@ -77,9 +77,9 @@ def _rank(rank: int, port: int, model_name: str, batch: int, steps: int, rounds:
     from torch import nn
 
     from models.registry import build_model, get_model_spec
-    from worker.data import load_fake
-    from worker.distributed import GangPlacement, RendezvousServer, init_group, join_store, leave_group
-    from worker.train_step import StepRunner
+    from worker.data.datasets import load_fake
+    from worker.gang.collectives import GangPlacement, RendezvousServer, init_group, join_store, leave_group
+    from worker.training.train_step import StepRunner
 
     torch.set_num_threads(1)
     server = RendezvousServer("127.0.0.1", port, 60) if rank == 0 else None

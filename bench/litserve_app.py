@@ -22,8 +22,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from worker.checkpoint import load_model
-from worker.preprocess import image_to_array, normalize, stats_tensors
+from worker.checkpoints.format import load_model
+from worker.data.image_array import image_to_array
+from worker.data.normalization import normalize, stats_tensors
 
 MAX_BATCH = 32  # torchyard's predict_max_batch
 BATCH_TIMEOUT_S = 0.002

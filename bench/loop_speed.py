@@ -24,8 +24,8 @@ import torch
 torch.set_num_threads(1)
 from core.kinds.train import resolve_params
 from core.kinds.train import JobSpec
-from worker.data import ImageTensors, load_fake
-from worker.trainer import Trainer, plan_training
+from worker.data.datasets import ImageTensors, load_fake
+from worker.training.trainer import Trainer, plan_training
 full = load_fake(3, 32, 32, seed=7)
 data = ImageTensors(full.images[:2000], full.labels[:2000], full.classes)
 cpu, rates, last = [], [], [time.process_time()]

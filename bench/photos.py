@@ -76,7 +76,7 @@ def model_size(entry: str) -> tuple[str, int]:
 
 def precisions(device: str) -> tuple[str, ...]:
     """fp32, and bf16 where the hardware runs it natively: CUDA capability 8.0 and newer, or a CPU
-    with AVX512-BF16/AMX (worker/recipe.py decides a job's precision by the same rule on CUDA)."""
+    with AVX512-BF16/AMX (worker/training/recipe.py decides a job's precision by the same rule on CUDA)."""
     import torch
 
     if device == "cuda":

@@ -3,7 +3,7 @@
     flock /tmp/torchyard-bench.lock .venv/bin/python bench/predict.py [--seconds 6] [--write-docs]
 
 For each model (resnet18 and cifar_net, 3×32×32, untrained weights written with
-worker.checkpoint.save_model: latency does not depend on what the weights learned):
+worker.checkpoints.format.save_model: latency does not depend on what the weights learned):
   (a) the floor: normalize + forward + softmax under inference_mode at batch 1 and 32, each setting
       in a fresh process started before anything else of ours runs, best of torch threads {1, all
       cores} × OpenMP waiting {default, PASSIVE, GOMP_SPINCOUNT=30000}: the best this machine can do;
@@ -136,9 +136,9 @@ def run(args: argparse.Namespace) -> str:
 
 def service_threads(floors: dict[int, dict]) -> int:
     """The torch threads the service's forward of this model uses with TORCHYARD_PREDICT_CPU_THREADS
-    unset (worker/cpu_threads.ForwardThreads): every core when its one-image forward on one thread
+    unset (worker/device/cpu_threads.ForwardThreads): every core when its one-image forward on one thread
     takes HEAVY_FORWARD_S or more, else one."""
-    from worker.cpu_threads import HEAVY_FORWARD_S, usable_cores
+    from worker.device.cpu_threads import HEAVY_FORWARD_S, usable_cores
 
     one_image_s = next(t["p50_ms"] for t in floors[1]["tried"]
                        if t["threads"] == 1 and t["omp"] == "default" and t["graph"] == "traced") / 1e3
@@ -236,7 +236,7 @@ def report(args, raw, service, lit, empty, api_workers) -> str:
             f"(c) is the best of {len(LITSERVE_CONFIGS)} LitServe configurations per cell:\n\n" + "\n".join(peers)
             + "\n\n(d) The HTTP front end alone, same request, 32 clients:\n\n" + empty_lines + "\n\n"
             "CPU time per request of the torchyard processes (robust to a busy host, unlike wall-clock "
-            "figures; the forward's own CPU per image is the floor's at the service's setting, the traced graph with OpenMP's default waiting on one thread for a light model and every core for a heavy one (worker/cpu_threads.ForwardThreads), taken off the worker's; at c=1 the processes' background work, heartbeats and Celery's consumer, is spread over few requests):\n\n" + "\n".join(cpu) + "\n\n"
+            "figures; the forward's own CPU per image is the floor's at the service's setting, the traced graph with OpenMP's default waiting on one thread for a light model and every core for a heavy one (worker/device/cpu_threads.ForwardThreads), taken off the worker's; at c=1 the processes' background work, heartbeats and Celery's consumer, is spread over few requests):\n\n" + "\n".join(cpu) + "\n\n"
             "Batches formed by the torchyard worker during the c=32 cells:\n\n" + "\n".join(batch_lines) + "\n\n"
             f"Load average (1 min) at the start and end of the run: {LOAD_START[0]:.1f}, {os.getloadavg()[0]:.1f}.\n\n"
             + FINDINGS)
@@ -248,15 +248,15 @@ OpenMP threads spinning between ops of the inference thread: worker CPU per cifa
 two OpenMP teams in the worker (the intake thread's, made by loading a model, beside the forward's),
 over which libgomp throttled both to futex sleeps at every op: a one-thread forward was the faster
 (resnet18, one client, 9.7-9.9 against 12.2-13.4 ms on two threads); with one team at a time
-(worker/cpu_threads.py: the intake and decode threads pinned to one thread, jobs in threads of
+(worker/device/cpu_threads.py: the intake and decode threads pinned to one thread, jobs in threads of
 their own) a two-thread forward is no longer throttled, but its spinning doubled the worker's CPU
 per request and slowed every cell on 2 shared cores; the eager forward waited for the GIL at every
 operator while the intake and decode threads decoded PNGs in Python (beside one decoding thread a
 batch-32 cifar_net forward ran at 1/3 to 1/6 of its speed alone, a batch-1 one at 1/15:
 bench/forward_gil.py), so the forward is now a traced graph that releases the GIL for the whole
-batch (worker/forward_graph.py), and with that, two threads pay for resnet18's long forward but
+batch (worker/checkpoints/forward_graph.py), and with that, two threads pay for resnet18's long forward but
 not for cifar_net's short one: a heavy model's forward runs on every core, a light one's on one
-(worker/cpu_threads.ForwardThreads); in the API, one redis-py command per request cost more than
+(worker/device/cpu_threads.ForwardThreads); in the API, one redis-py command per request cost more than
 the rest of its Redis work: the queueing scripts of the requests of one event-loop turn now go in
 one pipeline, and /predict skips FastAPI's middleware (instructions per request at 32 clients
 1.58 → 1.06 million, bench/api_instructions.py); per image, the worker's decode pool tasks
@@ -287,7 +287,7 @@ first requests reach Redis while the rest are parsed, the worker decoding them a
 two cores); two torch threads for cifar_net (worker CPU per image 115-139 → 150-205 µs, no more
 throughput). resnet18: after its two-thread forward libgomp's default spin held a core while the
 replies waited (2.0-2.9 ms, their RPUSH alone 1.1-1.7): the worker now starts with
-`GOMP_SPINCOUNT=30000` (worker/device.openmp_environment), 1,245-1,406 → 1,518-1,573 images/s and
+`GOMP_SPINCOUNT=30000` (worker/device/pinning.openmp_environment), 1,245-1,406 → 1,518-1,573 images/s and
 976-1,063 → 731-763 µs of worker CPU per image, two runs of each setting, alternating.
 
 2026-11-25: that lockstep was the batching window's doing. Waiting for all 32 kept the 32 clients

@@ -3,7 +3,7 @@
     .venv/bin/python bench/recipe.py [--seeds 0,1,2] [--recipes old,new] [--cases fake,cifar10,...]
 
 Each case trains one model on one generated dataset, in this process, through the worker's own
-code (worker/data.py's loaders, `plan_training`, `Trainer`) on the CPU, and reports the
+code (worker/data/datasets.py's loaders, `plan_training`, `Trainer`) on the CPU, and reports the
 validation accuracy of the weights the checkpoint keeps (the last epoch's for the old recipe,
 the best epoch's for the new one), for each seed and their mean:
 
@@ -73,8 +73,8 @@ def main() -> None:
     from core.kinds.train import JobSpec, resolve_params
     from models.registry import get_model_spec
     from tests.datagen import shapes_zip, write_cifar10, write_mnist
-    from worker.data import load_fake, load_image_folder, load_torchvision
-    from worker.trainer import Trainer, plan_training
+    from worker.data.datasets import load_fake, load_image_folder, load_torchvision
+    from worker.training.trainer import Trainer, plan_training
 
     work = Path(tempfile.mkdtemp(prefix="torchyard-recipe-"))
     write_cifar10(work / "builtin", per_batch=100)

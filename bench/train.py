@@ -51,19 +51,19 @@ OMP_NOTE = ("This host's speed moves by a third from minute to minute (other ten
             "them) PASSIVE did 9,100 to 12,800 img/s against 10,900 to 17,900 for OpenMP's default, slower "
             "every time. PASSIVE was set for /predict, whose inference OpenMP threads "
             "spun between requests; a CPU worker's /predict forward now runs on one thread while a job runs "
-            "(no OpenMP team at all: two teams in one process throttle each other, worker/cpu_threads.py), "
+            "(no OpenMP team at all: two teams in one process throttle each other, worker/device/cpu_threads.py), "
             "and the job runs in a thread of its own whose team ends with it. A capped spin "
             "(`GOMP_SPINCOUNT=30000`) was within the noise of the default for training, and after a heavy "
             "/predict forward it gives the cores back to the replies, Redis and the API (resnet18 at 32 "
             "clients: about a fifth more images/s, a quarter less worker CPU), so the worker starts with it "
-            "(worker/device.openmp_environment) unless the operator set `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY`.")
+            "(worker/device/pinning.openmp_environment) unless the operator set `GOMP_SPINCOUNT` or `OMP_WAIT_POLICY`.")
 
 
 # ----------------------------------------------------------------------------- data
 def make_data(n: int):
     import torch
 
-    from worker.data import fake_images
+    from worker.data.datasets import fake_images
 
     labels = torch.arange(n) % 10
     images = fake_images(labels, 3, 32, 32, seed=7)
@@ -87,7 +87,7 @@ def write_cifar_format(root: Path, images, labels) -> None:
 
 
 def normalisation(images):
-    from worker.preprocess import channel_stats
+    from worker.data.normalization import channel_stats
 
     mean, std = channel_stats(images)
     return mean, std

@@ -3,8 +3,8 @@
 A valid spec can still need more memory than any worker has (issue #13: `resnet18` on `fake` at
 image_size 512 builds tens of GB of float temporaries; `cifar10` at 512 is 39 GB of uint8 plus a
 copy); the job would then be killed by the kernel hours into the queue, or take Redis with it.
-So the API estimates what the job holds resident on a worker, the way worker/data.py and
-worker/trainer.py hold it, and refuses (422) a job that fits none of the live workers that could
+So the API estimates what the job holds resident on a worker, the way worker/data/datasets.py and
+worker/training/trainer.py hold it, and refuses (422) a job that fits none of the live workers that could
 take it, saying why and what would fit (the largest image_size or batch_size).
 
 The estimate, in bytes, for N images of E = C×H×W values, batch B, P parameters:
@@ -25,8 +25,8 @@ The estimate, in bytes, for N images of E = C×H×W values, batch B, P parameter
     a GPU = CUDA_RUNTIME + model + max(batch, evaluation)   (its host holds the data and preparation;
             whether the data also goes on the GPU is the worker's choice, made only when it fits)
 
-The constants were measured (scripts/measure_job_memory.py: peak RSS of the real worker/data.py and
-worker/trainer.py code in fresh CPU processes, torch 2.14.1; the table is in docs/security.md).
+The constants were measured (scripts/measure_job_memory.py: peak RSS of the real worker/data/datasets.py and
+worker/training/trainer.py code in fresh CPU processes, torch 2.14.1; the table is in docs/security.md).
 Everything is in float32 sizes; on a GPU (and a CPU with native bf16) the worker trains under
 bf16 autocast, which holds less, so the estimate errs on the side of refusing (a calibration run
 on such a CPU measures bf16 unless its plans are set to fp32). What a worker has:

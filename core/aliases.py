@@ -8,8 +8,8 @@ change of the job in between aborts and retries it), and the move, the name → 
 resolves a name and queues the request in one script that checks the name still points at the
 job it resolved (app/api/predictions.py), so a request is answered by exactly one job.
 
-Promotion (`AliasService.promote`) warms before it moves: the new target is loaded on every live
-device that holds the current target resident (core/warming.py, bounded wait), so the first
+Promotion (`AliasService.promote`) preloads before it moves: the new target is loaded on every live
+device that holds the current target resident (core/preloading.py, bounded wait), so the first
 requests after the move find it loaded; the old one leaves the device caches by the usual LRU rule.
 
 Who moved it: the API key is one shared key, so the history records the caller's address, its
@@ -104,7 +104,7 @@ class AliasStore:
         return AliasHistory(name=name, moves=[AliasMove.model_validate_json(e) for e in reversed(entries)])
 
     def check_target(self, job_id: str) -> str:
-        """The job's model if it can be an alias's target now; 404/409 otherwise (before any warming)."""
+        """The job's model if it can be an alias's target now; 404/409 otherwise (before any preloading)."""
         validate_id(job_id, "job_id")
         raw = self.redis.hgetall(keys.job(job_id))
         return _target_model(job_id, raw)

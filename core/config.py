@@ -129,7 +129,7 @@ class Settings(BaseSettings):
     predict_cpu_threads: int | None = Field(
         default=None, ge=1,
         description="torch threads of a CPU worker's /predict forward while no job runs on it, for every "
-                    "model; while one does, one thread, so the job has the cores (worker/cpu_threads.py). Unset: "
+                    "model; while one does, one thread, so the job has the cores (worker/device/cpu_threads.py). Unset: "
                     "all the cores for a model whose one-image forward takes 4 ms or more on one thread "
                     "(resnet18), one for a lighter one (cifar_net), whose forward cannot repay a team's spin.")
 

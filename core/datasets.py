@@ -22,7 +22,7 @@ from core.schemas import Job
 from core.storage import validate_id
 from core.zip_safety import ArchiveLimits
 
-# The synthetic `fake` dataset: what it is here, how it is drawn in worker/data.py.
+# The synthetic `fake` dataset: what it is here, how it is drawn in worker/data/datasets.py.
 FAKE_CLASSES = [f"pattern_{k}" for k in range(10)]
 FAKE_IMAGES = 2560
 FAKE_PATTERN_SEED = 1234

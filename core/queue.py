@@ -79,7 +79,7 @@ Dispatch = Callable[[TrainDelivery], None]
 
 def create_celery(settings: Settings, *, with_tasks: bool = False) -> Celery:
     app = Celery("torchyard", broker=celery_broker_url(settings.resolved_redis_url()),
-                 include=["worker.tasks"] if with_tasks else [])
+                 include=["worker.runtime.tasks"] if with_tasks else [])
     app.conf.update(
         task_ignore_result=True,  # job state lives in the job store, not in a result backend
         # A job is acknowledged only when its task returns, and one worker takes one job at a time.
@@ -101,7 +101,7 @@ def create_celery(settings: Settings, *, with_tasks: bool = False) -> Celery:
         # What Celery 6 will do, asked for now so Celery's multi-line deprecation warning is not
         # logged on every broker reconnect. It cancels nothing of ours: a solo pool runs the task in
         # the consumer's own thread, so the consumer sees a lost connection only between tasks,
-        # never while a job runs (a job rides out the outage itself, worker/delivery.py).
+        # never while a job runs (a job rides out the outage itself, worker/runtime/delivery.py).
         worker_cancel_long_running_tasks_on_connection_loss=True,
     )
     return app

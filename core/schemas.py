@@ -30,7 +30,7 @@ DATASET_DESCRIPTION = "A dataset id, or the unique name it was uploaded with."
 
 class JobKind(StrEnum):
     """What a job does on a worker. Every kind shares the lifecycle (queued → running → terminal),
-    leases, cancellation and events; worker/job_runner.py picks the handler by kind. A member's
+    leases, cancellation and events; worker/runtime/job_runner.py picks the handler by kind. A member's
     name is the kind's name in code (its package core/kinds/<name>/); its value is the HTTP
     contract's (a batch prediction's stays "predict")."""
 

@@ -94,7 +94,7 @@ class CheckpointPaths:
     Every delivery writes only under its own `deliveries/<token>/` (the final weights before
     promotion, the per-epoch resume states), so a stale delivery can never overwrite or delete a
     file the owner wrote; a file reaches the job's directory only by `settle_files`, after the
-    job store recorded that this delivery finished the job (worker/delivery.py)."""
+    job store recorded that this delivery finished the job (worker/runtime/delivery.py)."""
 
     def __init__(self, checkpoints_dir: Path) -> None:
         self.root = checkpoints_dir

@@ -17,10 +17,11 @@ API waits on a one-off reply list. Both directions are encoded and decoded only 
   BLPOP of its own, and the worker answers a whole batch's requests to one API in one RPUSH. For
   200 the body is the `PredictResponse` itself, so the API passes it through without re-encoding;
   any other status carries `{"detail": ...}` and maps to the error of the same HTTP status.
-- Warm, API → the same list: ``"warm <json>"`` (`WarmRequest`), answered on its `reply_to` like a
-  prediction once the job's model is resident on the device (200 `WarmedModel`), or with the
-  error of why it cannot be (409: checkpoint unreadable). Sent before an alias moves
-  (core/warming.py); riding the predict list keeps it in order with the requests before it.
+- Preload, API → the same list: ``"preload <json>"`` (`PreloadRequest`), answered on its `reply_to`
+  like a prediction once the job's model is resident on the device (200 `PreloadedModel`), or with
+  the error of why it cannot be (409: checkpoint unreadable). Sent before an alias moves
+  (core/preloading.py; the contract reports it as the move's `warm`); riding the predict list
+  keeps it in order with the requests before it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from core.errors import Conflict, InvalidInput, NotFound, TooLarge, TorchyardErr
 from core.images import IMAGE_FORMATS
 
 __all__ = ["IMAGE_FORMATS", "REPLY_TTL_S", "MalformedMessage", "PredictHeader", "PredictReply", "PredictRequest",
-           "WarmRequest", "WarmedModel", "strict_json"]
+           "PreloadRequest", "PreloadedModel", "strict_json"]
 
 REPLY_TTL_S = 60
 
@@ -229,11 +230,11 @@ class PredictReply:
         raise _ERRORS.get(self.status, Unavailable)(detail)
 
 
-# --- warming a model before an alias moves to it (#16) -----------------------------------------
-class WarmRequest(BaseModel):
+# --- preloading a model before an alias moves to it ---------------------------------------------
+class PreloadRequest(BaseModel):
     """Load `job_id`'s model on the device that takes this message; answer when it is resident."""
 
-    PREFIX: ClassVar[str] = "warm "
+    PREFIX: ClassVar[str] = "preload "
 
     job_id: str
     reply_to: str
@@ -243,20 +244,20 @@ class WarmRequest(BaseModel):
         return self.PREFIX + self.model_dump_json()
 
     @classmethod
-    def is_warm(cls, raw: str | bytes) -> bool:
+    def is_preload(cls, raw: str | bytes) -> bool:
         return (raw.startswith(cls.PREFIX) if isinstance(raw, str) else raw.startswith(cls.PREFIX.encode()))
 
     @classmethod
-    def decode(cls, raw: str | bytes) -> WarmRequest:
+    def decode(cls, raw: str | bytes) -> PreloadRequest:
         text = raw if isinstance(raw, str) else raw.decode("utf-8", "replace")
         try:
             return cls.model_validate_json(text[len(cls.PREFIX):])
         except ValidationError as exc:
-            raise MalformedMessage(f"not a warm request: {exc.error_count()} error(s)") from exc
+            raise MalformedMessage(f"not a preload request: {exc.error_count()} error(s)") from exc
 
 
-class WarmedModel(BaseModel):
-    """The 200 body of a warm reply."""
+class PreloadedModel(BaseModel):
+    """The 200 body of a preload reply."""
 
     job_id: str
     device: str

@@ -68,7 +68,7 @@ def pattern_png(label: int, channels: int, size: int) -> bytes:
     import torch
     from PIL import Image
 
-    from worker.data import fake_images
+    from worker.data.datasets import fake_images
 
     image = fake_images(torch.tensor([label]), channels, size, size, seed=4242)[0]
     array = image.permute(1, 2, 0).numpy()
@@ -105,7 +105,7 @@ def compute_capability(pinned: str) -> tuple[int, int]:
 
 
 def expected_amp_dtype(capability: tuple[int, int]) -> str | None:
-    """worker/recipe.choose_precision's rule, restated: bf16 from 8.0, fp16 on 7.x, none before."""
+    """worker/training/recipe.choose_precision's rule, restated: bf16 from 8.0, fp16 on 7.x, none before."""
     if capability >= (8, 0):
         return "bfloat16"
     return "float16" if capability >= (7, 0) else None
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
             check(body["device"] == job["device"], f"{model} prediction served on {body['device']}")
             if gpu_mode:
                 # The heartbeat's inference stats count the models served eagerly (their trace was
-                # refused: worker/forward_graph.py); a GPU model must be served by its traced graph.
+                # refused: worker/checkpoints/forward_graph.py); a GPU model must be served by its traced graph.
                 def served(device_id: str = job["device"]) -> dict | None:
                     record = next((d for d in client.get("/devices").json()["devices"] if d["id"] == device_id), None)
                     cache = ((record or {}).get("inference") or {}).get("cache") or {}

@@ -4,10 +4,10 @@ Each measurement runs in a fresh process: it imports what a worker imports, buil
 settles (gc, malloc_trim) and records its RSS, resets the kernel's peak-RSS counter (VmHWM), then
 runs one phase of a job with the code a worker runs, and reports the peak RSS above that baseline, the larger of two runs:
 
-- `train`: worker/trainer.Trainer for one epoch on N random uint8 images (the split copies, the
+- `train`: worker/training/trainer.Trainer for one epoch on N random uint8 images (the split copies, the
   channel statistics, forward/backward, evaluation); compared with the estimate's host bytes
   without the runtime and without the N·E dataset already resident at the baseline;
-- `fake`: worker/data.load_fake (the float temporaries of the synthetic set); compared with the
+- `fake`: worker/data/datasets.load_fake (the float temporaries of the synthetic set); compared with the
   estimate's preparation term.
 
     .venv/bin/python scripts/measure_job_memory.py            # the table in docs/security.md
@@ -40,10 +40,10 @@ CHILD = r"""
 import json, resource, sys, pathlib
 import psutil, torch
 torch.set_num_threads(1)
-from worker.data import ImageTensors, load_fake
-from worker.preprocess import channel_stats, stats_tensors
-from worker.trainer import Trainer, plan_training
-from worker.checkpoint import Preprocessing
+from worker.data.datasets import ImageTensors, load_fake
+from worker.data.normalization import channel_stats, stats_tensors
+from worker.training.trainer import Trainer, plan_training
+from worker.checkpoints.format import Preprocessing
 from core.kinds.train import resolve_params
 from core.kinds.train import JobSpec
 from models.registry import build_model

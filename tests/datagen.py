@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from worker.preprocess import image_to_array
+from worker.data.image_array import image_to_array
 
 SHAPE_CLASSES = ("circle", "square", "triangle")
 SHAPE_COLOURS = {"circle": (220, 40, 40), "square": (40, 200, 60), "triangle": (50, 70, 230)}

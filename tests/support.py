@@ -254,7 +254,7 @@ def pattern_png(label: int) -> bytes:
     """A 32x32 PNG of class `label` of the built-in `fake` set: what its models recognise."""
     import torch
 
-    from worker.data import fake_images
+    from worker.data.datasets import fake_images
 
     image = fake_images(torch.tensor([label]), 3, 32, 32, seed=4242)[0]
     return png_bytes(image.permute(1, 2, 0).numpy())
@@ -282,7 +282,7 @@ time.sleep(600)
 
 
 def hold_flock(lock: Path) -> subprocess.Popen:
-    """Another worker stuck while it holds a file lock (a decoded set's, worker/data.py): a process
+    """Another worker stuck while it holds a file lock (a decoded set's, worker/data/datasets.py): a process
     that takes the exclusive flock on `lock` and sleeps. Returns once it holds it; the caller kills it."""
     lock.parent.mkdir(parents=True, exist_ok=True)
     holder = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(lock)], stdout=subprocess.PIPE, text=True)

@@ -69,8 +69,6 @@ def test_imports_point_down(package: str) -> None:
 # the params side of a kind (spec, params, resolution) is a leaf of the domain: it imports no
 # submitter, job store, device registry or other kind, only the KindParams base they all share.
 KINDS = {"train", "evaluate", "batch_predict", "export"}
-# The worker's handler of each kind (worker/kinds/<module>.py), until it is renamed after its kind.
-HANDLERS = {"train": "train", "evaluate": "evaluate", "batch_predict": "predict", "export": "export"}
 KIND_LEAF_MAY_NOT = {"core.jobs", "core.devices", "core.gangs", "core.datasets", "core.kinds.submitter"}
 KIND_SHARED = {"request", "params", "submitter"}  # core/kinds/*.py: what every kind shares
 
@@ -85,12 +83,12 @@ def test_every_kind_has_its_package_and_its_handler() -> None:
     assert {kind.name for kind in JobKind} == KINDS
     assert {p.name for p in (REPO / "core" / "kinds").iterdir() if p.is_dir() and p.name != "__pycache__"} == KINDS
     assert {p.stem for p in (REPO / "core" / "kinds").glob("*.py")} == KIND_SHARED | {"__init__"}
-    assert {p.stem for p in (REPO / "worker" / "kinds").glob("*.py")} == set(HANDLERS.values()) | {"__init__"}
+    assert {p.stem for p in (REPO / "worker" / "kinds").glob("*.py")} == KINDS | {"__init__"}
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_a_kind_reads_its_own_params(kind: str) -> None:
-    handler = _imports(ast.parse((REPO / "worker" / "kinds" / f"{HANDLERS[kind]}.py").read_text()))
+    handler = _imports(ast.parse((REPO / "worker" / "kinds" / f"{kind}.py").read_text()))
     others = [name for name in handler if name.startswith("core.kinds.") and not name.startswith(f"core.kinds.{kind}.")]
     assert others == []
     for leaf in _kind_leaves(kind):

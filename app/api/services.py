@@ -18,12 +18,12 @@ from core.kinds.evaluate.submit import Evaluations
 from core.kinds.export.submit import ExportCatalog
 from core.kinds.train.submit import JobSubmission
 from core.lineage import active_dependent
+from core.preloading import ModelPreloader
 from core.queue import create_celery, dispatcher
 from core.redis import connect, connect_async
 from core.retention import JobDeletion, Retention
 from core.schemas import Job
 from core.storage import CheckpointPaths
-from core.warming import ModelWarmer
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Services:
         devices = DeviceRegistry(client, settings.heartbeat_ttl_s)
         datasets = DatasetCatalog(client, settings, jobs)
         predictions = PredictionClient(aclient, settings)
-        aliases = AliasService(AliasStore(client), ModelWarmer(client, devices, settings.alias_warm_timeout_s))
+        aliases = AliasService(AliasStore(client), ModelPreloader(client, devices, settings.alias_warm_timeout_s))
         deletion = JobDeletion(jobs, CheckpointPaths(settings.checkpoints_dir))
         deletion.protect(lambda job: _aliased_refusal(client, job))
         deletion.protect(lambda job: _dependent_refusal(jobs, job))

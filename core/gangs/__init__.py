@@ -9,7 +9,7 @@
 - `scheduler`: one pass from a worker's heartbeat: lapsed reservations undone, every rank of the
   oldest gangs reserved in one Lua script or none, holds applied, one message per rank.
 
-The device slots these reserve and hold are core/devices/slots.py's; a rank's side is worker/gang.py.
+The device slots these reserve and hold are core/devices/slots.py's; a rank's side is worker/gang/member.py.
 """
 
 from core.gangs.records import GangRecords, GangState, Member, Seat

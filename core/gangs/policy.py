@@ -5,7 +5,7 @@ applies the answer in one Lua script; the slot scripts of core/devices/slots.py 
 rules atomically when a worker starts or ends a task (`single_may_start` and `read_slot` are their
 twins, and tests/core/devices/test_slots.py checks that both agree). The API asks the same rules
 at submit (`check_world_size`) and when it shows a queued gang job (`waiting_note`); the worker's
-ranks (worker/gang.py) read their timings here.
+ranks (worker/gang/member.py) read their timings here.
 
 The rules:
 

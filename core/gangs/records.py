@@ -1,7 +1,7 @@
 """A gang's record in Redis: what the ranks of one attempt of a data-parallel job share.
 
 A job with `world_size` N > 1 runs as N ranks, one per worker, trained together through
-torch.distributed (worker/gang.py, worker/gang_training.py). The scheduler (core/gangs/scheduler.py)
+torch.distributed (worker/gang/member.py, worker/gang/training.py). The scheduler (core/gangs/scheduler.py)
 reserves N devices' slots (core/devices/slots.py) and writes this record in the same script:
 
 - **The gang record** (`ty:gang:<job>`): the attempt id (a fresh one per reservation), the

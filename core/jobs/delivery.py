@@ -64,7 +64,7 @@ return 1
 
 
 class DeliverySide(JobStoreBase):
-    """The job store as the delivery that owns a job uses it (worker/delivery.Delivery, worker/job_context.py)."""
+    """The job store as the delivery that owns a job uses it (worker/delivery.Delivery, worker/runtime/job_context.py)."""
 
     @cached_property
     def _fenced_write(self) -> Script:

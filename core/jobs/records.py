@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 EVENTS_MAXLEN = 5000
 
 # Fields stored as JSON in the job's hash; a kind that records a structured field of its own adds
-# its name here so readers decode it (worker/job_context.py).
+# its name here so readers decode it (worker/runtime/job_context.py).
 JSON_FIELDS = ("params", "device_choices", "progress", "metrics", "checkpoint", "classes", "evaluation", "results",
                "resume_at", "ranks")
 

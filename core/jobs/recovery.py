@@ -5,7 +5,7 @@ never arrived, files an ended job's owner never settled).
 
 One rule for all of them (`_back_to_queue`): the job returns to `queued` with a fresh delivery
 token and a dispatch intent, or fails once it has had `max_attempts` deliveries. Every sweep is
-bounded and idempotent, so any number of workers may run it at once (worker/heartbeat.py)."""
+bounded and idempotent, so any number of workers may run it at once (worker/runtime/heartbeat.py)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class Recovery(JobStoreBase):
         """Redeliver every running job whose lease expired by `now` (Redis's clock).
 
         The caller makes sure `now` is trustworthy: read just before, in a round trip that did not
-        stall, by a sweeper that has seen Redis answer for at least a lease TTL (worker/heartbeat.py):
+        stall, by a sweeper that has seen Redis answer for at least a lease TTL (worker/runtime/heartbeat.py):
         after an outage nobody could renew, and every lease would look expired."""
         now = redis_now(self.redis) if now is None else now
         expired = self.redis.zrangebyscore(keys.LEASES, "-inf", now)

@@ -18,7 +18,7 @@ from core.archives import extract_image_folder
 from core.images import IMAGE_FORMATS, refused_format
 from core.zip_safety import ArchiveLimits
 from tests.support import REPO
-from worker.data import load_image_folder
+from worker.data.datasets import load_image_folder
 
 EPS = (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n%%EndComments\n"
        b"0 0 moveto 8 8 lineto stroke\nshowpage\n%%EOF\n")

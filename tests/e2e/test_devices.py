@@ -22,8 +22,8 @@ import redis
 from core import keys
 from core.devices import instance_pid
 from tests.support import REPO, Processes, free_port, job_events, wait_for_job, wait_until
-from worker.device import PINNED_MARKER
-from worker.main import EXIT_OUT_OF_SERVICE
+from worker.device.pinning import PINNED_MARKER
+from worker.runtime.main import EXIT_OUT_OF_SERVICE
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.support import REPO, free_port, wait_for_job, wait_until
-from worker.device_health import PROVOKE_DEVICE_ASSERT
+from worker.device.health import PROVOKE_DEVICE_ASSERT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
 

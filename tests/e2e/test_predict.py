@@ -22,8 +22,8 @@ from PIL import Image
 
 from models.registry import build_model
 from tests.support import Processes, free_port, wait_for_job, wait_until
-from worker.checkpoint import ModelMeta, save_model
-from worker.data import fake_images
+from worker.checkpoints.format import ModelMeta, save_model
+from worker.data.datasets import fake_images
 
 pytestmark = pytest.mark.e2e
 

@@ -1,7 +1,7 @@
 """A worker's /predict intake under the faults that hit it, with real processes: its decoding
 processes SIGKILLed while idle and mid-batch (the OOM killer may pick one at any moment), one
 SIGSTOPped mid-chunk (a stuck decoder), an image that kills its decoder every time, and a body
-whose ignored multipart preamble reads like a warm request. Every request is answered: none
+whose ignored multipart preamble reads like a preload request. Every request is answered: none
 waits out the API's timeout."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import psutil
 import pytest
 from PIL import Image
 
+from core.wire import PreloadRequest
 from tests.support import REPO, Processes, flush, free_port, wait_for_job, wait_until, with_db
 
 pytestmark = pytest.mark.e2e
@@ -186,12 +187,12 @@ def test_an_image_that_kills_its_decoder_is_refused_alone(cluster: dict) -> None
     assert _statuses(_burst(client, job, seed=500)) == [200] * 20
 
 
-def test_a_body_whose_preamble_reads_like_a_warm_request_is_answered(cluster: dict) -> None:
+def test_a_body_whose_preamble_reads_like_a_preload_request_is_answered(cluster: dict) -> None:
     """The multipart preamble (before the first boundary) is ignored by the API but travels at the
-    start of the frame; the worker took a frame that began with `warm ` for a warm request and
-    dropped it as malformed: a 503 after the timeout for a valid request."""
+    start of the frame; the worker took a frame that began with the preload prefix (`warm ` then)
+    for a preload request and dropped it as malformed: a 503 after the timeout for a valid request."""
     boundary = "b0undary"
-    body = (b"warm {\"job_id\": \"x\"}\r\n"
+    body = (PreloadRequest.PREFIX.encode() + b"{\"job_id\": \"x\"}\r\n"
             + f"--{boundary}\r\nContent-Disposition: form-data; name=\"job_id\"\r\n\r\n{cluster['job']}\r\n".encode()
             + f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jpg\"\r\n"
               f"Content-Type: image/jpeg\r\n\r\n".encode()

@@ -241,7 +241,7 @@ def test_resume_after_worker_sigkill(own_stack: dict) -> None:
 
 
 def test_a_job_has_the_cores_and_the_predict_forward_takes_them_back(own_stack: dict) -> None:
-    """One OpenMP team at a time (worker/cpu_threads.py): a CPU worker's /predict forward runs on its
+    """One OpenMP team at a time (worker/device/cpu_threads.py): a CPU worker's /predict forward runs on its
     threads while no job runs, on one while a job does, and on its threads again after."""
     client, procs = own_stack["client"], own_stack["procs"]
     procs.worker("cpu", TORCHYARD_PREDICT_CPU_THREADS="2")

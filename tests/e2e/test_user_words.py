@@ -9,7 +9,7 @@ import torch
 from tests.datagen import zip_of
 from tests.e2e.test_cli import cli
 from tests.support import REPO, png_bytes
-from worker.data import fake_images
+from worker.data.datasets import fake_images
 
 pytestmark = pytest.mark.e2e
 

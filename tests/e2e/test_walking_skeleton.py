@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.support import png_bytes, wait_for_job
-from worker.data import fake_images
+from worker.data.datasets import fake_images
 
 pytestmark = pytest.mark.e2e
 

@@ -1,6 +1,6 @@
 """What only a GPU runs, on a GPU (`pytest -m gpu`; skipped where torch sees no CUDA, as on CI):
 the fp16 GradScaler's state across a resume, the serving graph traced (not fallen back to eager)
-on CUDA, and the pinned staging ring (worker/pinned_ring.py) whose CUDA events guard a buffer
+on CUDA, and the pinned staging ring (worker/device/pinned_ring.py) whose CUDA events guard a buffer
 while its copy is in flight: training's, alone and in a training run, and serving's. Every CUDA call here is listed in docs/gpu.md with what it
 does; the CPU twins of the same code run in the default suite."""
 
@@ -15,14 +15,14 @@ import torch
 
 from core.kinds.train import JobSpec, resolve_params
 from models.registry import MODELS, build_model
-from tests.worker.test_forward_graph import _preprocessing
-from tests.worker.test_trainer import Reporter, small_fake
-from worker.checkpoint import load_payload
-from worker.forward_graph import GRAPH_TOLERANCE, ServingForward, build_forward
-from worker.job_context import StopJob
+from tests.worker.checkpoints.test_forward_graph import _preprocessing
+from tests.worker.training.test_trainer import Reporter, small_fake
+from worker.checkpoints.format import load_payload
+from worker.checkpoints.forward_graph import GRAPH_TOLERANCE, ServingForward, build_forward
+from worker.runtime.job_context import StopJob
 from worker.serving.batching import HostStaging
-from worker.staging import StagedBatches
-from worker.trainer import Trainer, plan_training
+from worker.training.staging import StagedBatches
+from worker.training.trainer import Trainer, plan_training
 
 pytestmark = pytest.mark.gpu
 

@@ -15,15 +15,15 @@ import torch
 
 from core.kinds.evaluate.params import EvaluateParams
 from core.schemas import Job, Progress
-from worker.backoff import BatchBackoff
-from worker.checkpoint import load_model
-from worker.data import evaluation_split, load_dataset
-from worker.device import cpu_flags
-from worker.evaluation import measure
-from worker.job_context import JobContext, JobFailed, JobOutcome
-from worker.preprocess import stats_tensors
-from worker.recipe import autocast, choose_precision
-from worker.staging import ResidentBatches, StagedBatches
+from worker.checkpoints.format import load_model
+from worker.data.datasets import evaluation_split, load_dataset
+from worker.data.normalization import stats_tensors
+from worker.device.info import cpu_flags
+from worker.runtime.job_context import JobContext, JobFailed, JobOutcome
+from worker.training.backoff import BatchBackoff
+from worker.training.evaluation import measure
+from worker.training.recipe import autocast, choose_precision
+from worker.training.staging import ResidentBatches, StagedBatches
 
 
 def run_evaluate_job(job: Job, ctx: JobContext) -> JobOutcome:

@@ -42,12 +42,12 @@ from core.kinds.export.params import ExportParams
 from core.kinds.export.submit import UNAVAILABLE_PREFIX, export_path
 from core.schemas import CheckpointInfo, ExportFormat, Job, Progress
 from core.storage import atomic_path, sha256_file
-from worker import thread_warnings
-from worker.checkpoint import ModelMeta, load_model
-from worker.data import DatasetUnavailable, _torchvision_class, fake_images
-from worker.forward_graph import ClassifierWithPreprocessing
-from worker.job_context import JobContext, JobFailed, JobOutcome, StopJob
-from worker.preprocess import image_to_array
+from worker.checkpoints import thread_warnings
+from worker.checkpoints.format import ModelMeta, load_model
+from worker.checkpoints.forward_graph import ClassifierWithPreprocessing
+from worker.data.datasets import DatasetUnavailable, fake_images, open_torchvision
+from worker.data.image_array import image_to_array
+from worker.runtime.job_context import JobContext, JobFailed, JobOutcome, StopJob
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def run_export_job(job: Job, ctx: JobContext) -> JobOutcome:
     progress.step(1)
     manifest = _manifest(job, params, meta)
     # Written under this delivery's own directory; promoted to export_path(...) only if this
-    # delivery finishes the job succeeded (worker/job_context.py), so a stale one changes nothing.
+    # delivery finishes the job succeeded (worker/runtime/job_context.py), so a stale one changes nothing.
     target = ctx.output_path(export_path(ctx.paths, job.id, fmt).name)
     with atomic_path(target) as tmp:
         example = inputs[:2]
@@ -135,8 +135,8 @@ def _manifest(job: Job, params: ExportParams, meta: ModelMeta) -> dict[str, Any]
 # ---------------------------------------------------------------------- formats
 def _write_torchscript(model: nn.Module, example: torch.Tensor, path: Path, manifest: dict[str, Any]) -> list[str]:
     """Trace and save; the tracer's warnings of this thread, logged (the export's own parity check
-    on real images judges the file; a serving graph that warns is refused: worker/forward_graph.py).
-    Caught per thread (worker/thread_warnings.py), never by changing the process's filters, which a
+    on real images judges the file; a serving graph that warns is refused: worker/checkpoints/forward_graph.py).
+    Caught per thread (worker/checkpoints/thread_warnings.py), never by changing the process's filters, which a
     serving trace on another thread relies on at the same moment. torch.jit's own deprecation
     notices are ignored there: TorchScript is still what libtorch, TorchServe and `torch.jit.load` run."""
     with thread_warnings.caught() as found:
@@ -217,16 +217,6 @@ def _parity_inputs(job: Job, meta: ModelMeta, ctx: JobContext) -> tuple[torch.Te
     return torch.cat([floats, noise]), f"{len(images)} images of dataset {job.dataset} and {len(noise)} of noise"
 
 
-def _torchvision_test_split(name: str, settings: Settings) -> Any:
-    """A built-in's test split through torchvision's own class (its format and checks), indexable
-    image by image: the smaller split, and any of the dataset's images serves the check."""
-    cls = _torchvision_class(name, settings.verify_builtin_checksums)
-    try:
-        return cls(root=str(settings.builtin_data_dir), train=False, download=settings.allow_download)
-    except Exception as exc:
-        raise DatasetUnavailable(f"dataset {name} is not available: {exc}") from exc
-
-
 def _spread(total: int, count: int) -> list[int]:
     """`count` indices spread evenly over `total` items (all of them when there are fewer)."""
     return torch.linspace(0, total - 1, min(count, total)).long().tolist() if total else []
@@ -243,7 +233,9 @@ def _dataset_samples(record: DatasetRecord, settings: Settings, meta: ModelMeta)
         labels = torch.tensor(_spread(FAKE_IMAGES, PARITY_INPUTS)) % len(FAKE_CLASSES)
         return fake_images(labels, *size, seed=0)
     if record.kind == "torchvision":
-        data = _torchvision_test_split(record.id, settings)
+        # The test split: the smaller one, and any of the dataset's images serves the check.
+        data = open_torchvision(record.id, settings.builtin_data_dir, download=settings.allow_download,
+                                verify_checksums=settings.verify_builtin_checksums, train=False)
         return torch.from_numpy(np.stack([image_to_array(data[i][0], *size, pre.resize_size)
                                           for i in _spread(len(data), PARITY_INPUTS)]))
     root = settings.datasets_dir / record.id

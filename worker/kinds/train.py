@@ -1,13 +1,13 @@
 """A training job on this worker's device: data in, checkpoint out.
 
 Reads the params stored at submit (core/kinds/train/), loads the starting weights when the job has
-some (`init_from` a job, or `pretrained`: worker/init_weights.py), loads the dataset at the input
+some (`init_from` a job, or `pretrained`: worker/training/init_weights.py), loads the dataset at the input
 size and resize resolved at submit, lets `plan_training` make this device's choices (recorded
 beside the params as the job's `device_choices`, never into them), and runs the loop of
-worker/trainer.py. Its
+worker/training/trainer.py. Its
 outcome is the final checkpoint and its sha256; the kept epoch, why training ended and the
 validation of the kept weights go into the job's record. A data-parallel job's ranks prepare the
-same inputs (`training_inputs`) and train in worker/gang_training.py.
+same inputs (`training_inputs`) and train in worker/gang/training.py.
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from core.jobs import JobStore
 from core.kinds.train.params import TrainingParams
 from core.schemas import CheckpointInfo, Job
 from core.storage import CheckpointPaths, sha256_file
-from worker import init_weights
-from worker.data import ImageTensors, load_dataset
-from worker.init_weights import InitialWeights
-from worker.job_context import JobContext, JobFailed, JobOutcome
-from worker.trainer import Trainer, TrainingResult, plan_training
+from worker.data.datasets import ImageTensors, load_dataset
+from worker.runtime.job_context import JobContext, JobFailed, JobOutcome
+from worker.training import init_weights
+from worker.training.init_weights import InitialWeights
+from worker.training.trainer import Trainer, TrainingResult, plan_training
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ def run_train_job(job: Job, ctx: JobContext) -> JobOutcome:
                          inputs.height, inputs.width, earlier=job.device_choices)
     ctx.record({"device_choices": plan.device.model_dump()})
     # model.pt is this delivery's until it finishes the job; resume states are per epoch and
-    # recorded with the epoch's metrics (worker/job_context.py).
+    # recorded with the epoch's metrics (worker/runtime/job_context.py).
     trainer = Trainer(plan, inputs.data, final_path=ctx.output_path("model.pt"), resume_from=ctx.resume_state(),
                       resume_to=lambda epoch: ctx.scratch_path(f"resume-{epoch}.pt"),
                       reporter=ctx.reporter, should_stop=ctx.should_stop, dataset=job.dataset, initial=inputs.initial,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.pinned_ring import PinnedRing
+from worker.device.pinned_ring import PinnedRing
 
 STAGING_BUFFERS = 2  # one being filled while the previous one's copy to the device completes
 
@@ -106,7 +106,7 @@ def buckets(max_batch: int) -> list[int]:
 
 
 class HostStaging:
-    """The host buffers a batch is stacked into before it goes to the device (worker/pinned_ring.py),
+    """The host buffers a batch is stacked into before it goes to the device (worker/device/pinned_ring.py),
     a ring per image shape.
 
     The decoded images are written straight into a buffer (no intermediate `np.stack`), padded rows

@@ -4,9 +4,10 @@ Decoding is most of the CPU a prediction costs on a fast device, so it never run
 that feeds the device, and it uses the cores the worker is given: a batch's images are split
 into chunks, decoded by processes of their own (worker/serving/decode_processes.py: a photo's
 decode holds the GIL for too large a share for threads to scale), while the intake thread takes
-the next batch off the list and hands it to the processes in turn. Images are decoded at the size the model needs (worker/preprocess.py:
-libjpeg's scaled decoding through `Image.draft` for JPEG), with the checkpoint's preprocessing,
-the training evaluation transform.
+the next batch off the list and hands it to the processes in turn. Each image goes through the
+one image → array transform (worker/data/image_array.decode_image: the checkpoint's preprocessing,
+the training evaluation transform, at the size the model needs, with libjpeg's scaled decoding
+through `Image.draft` for JPEG), as training data and batch predictions do.
 
 A small image is another matter: its decode costs less than sending it to a process and its
 array back, so `DecodeSplit` keeps such images on the intake thread alone.
@@ -20,31 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from worker.checkpoint import ModelMeta
-from worker.serving.decode_processes import Chunk, DecodeProcesses, Refused, Sent, Spec, decode_chunk, decode_one
-
-
-class BadImage(Exception):
-    """An upload the worker cannot turn into an input: 415, or 413 when it is too many pixels."""
-
-    def __init__(self, detail: str, status: int = 415) -> None:
-        super().__init__(detail)
-        self.status = status
-
-
-def decode_image(data: bytes, meta: ModelMeta, max_pixels: int) -> np.ndarray:
-    """Bytes → C×H×W uint8 with the model's recorded preprocessing; any failure is a BadImage.
-    Pillow's decoders raise Python errors on corrupt or truncated data, and only the allowlisted
-    formats are tried (core/images.py)."""
-    try:
-        return decode_one(data, spec_of(meta), max_pixels)
-    except Refused as refused:
-        raise BadImage(refused.detail, refused.status) from refused
-
-
-def spec_of(meta: ModelMeta) -> Spec:
-    pre = meta.preprocessing
-    return pre.channels, pre.height, pre.width, pre.resize_size
+from worker.checkpoints.format import ModelMeta
+from worker.data.image_array import BadImage, InputSpec
+from worker.serving.decode_processes import Chunk, DecodeProcesses, Sent, decode_chunk
 
 
 class DecodeSplit:
@@ -81,7 +60,7 @@ class PendingDecode:
     """A batch's images on their way: decoded already (cheap images, on the intake thread), or in
     chunks over the decoding processes, collected in order by `result`."""
 
-    def __init__(self, decoder: Decoder, spec: Spec, parts: list[list[bytes]], sent: list[Sent],
+    def __init__(self, decoder: Decoder, spec: InputSpec, parts: list[list[bytes]], sent: list[Sent],
                  done: list[Chunk] | None = None) -> None:
         self.decoder, self.spec, self.parts, self.sent, self.done = decoder, spec, parts, sent, done
 
@@ -108,7 +87,7 @@ class Decoder:
         self.processes = DecodeProcesses(processes, max_pixels, timeout_s)
 
     def start(self, data: list[bytes], meta: ModelMeta) -> PendingDecode:
-        spec = spec_of(meta)
+        spec = InputSpec.of(meta.preprocessing)
         chunks = self.split.chunks(len(data))
         if chunks <= 1:
             chunk = decode_chunk(data, spec, self.max_pixels)

@@ -8,8 +8,8 @@ What they cost the worker is each image's bytes pickled in and its array pickled
 fraction of a photo's decode; small images, for which that would not pay, are decoded in the
 worker's own thread (worker/serving/decode.DecodeSplit).
 
-This module imports no torch (nor does worker/preprocess.py), so a decoding process starts in
-milliseconds from the worker's forkserver (worker/forkserver.py: a clean process started with the
+This module imports no torch (nor does worker/data/image_array.py), so a decoding process starts in
+milliseconds from the worker's forkserver (worker/data/forkserver.py: a clean process started with the
 worker, safe in a worker that runs threads and holds a CUDA context, this module preloaded) and
 stays small; decoding processes end with the worker however it ends.
 
@@ -31,10 +31,8 @@ hold its chunk, and the batches behind it, for ever. Both are handled wherever t
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
-import select
 import threading
 import time
 from collections.abc import Sequence
@@ -43,45 +41,17 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import NamedTuple
 
 import numpy as np
-from PIL import Image
 
-from core.images import IMAGE_FORMATS
-from worker import forkserver
-from worker.preprocess import image_to_array
+from worker.data import forkserver
+from worker.data.image_array import BadImage, InputSpec, decode_image
 
 log = logging.getLogger(__name__)
 
-# (channels, height, width, resize_size): what a checkpoint's preprocessing asks of an image
-Spec = tuple[int, int, int, int | None]
 # One image's outcome in a decoding process: its row, or the HTTP status and detail of why not.
 Failure = tuple[int, str]
 # A future that will never have its chunk: its pool broke (a process died) or was replaced.
 LOST = (BrokenProcessPool, CancelledError)
 CRASHED = (415, "cannot decode image: it crashed the decoder")
-
-
-def decode_one(data: bytes, spec: Spec, max_pixels: int) -> np.ndarray:
-    """Bytes → C×H×W uint8 at `spec`; raises ValueError(status, detail) for what cannot be an input."""
-    channels, height, width, resize_size = spec
-    try:
-        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
-            if image.width * image.height > max_pixels:
-                raise Refused(413, f"image has {image.width * image.height} pixels, over the limit of {max_pixels}")
-            return image_to_array(image, channels, height, width, resize_size)
-    except Refused:
-        raise
-    except Image.DecompressionBombError:
-        raise Refused(413, f"image has too many pixels; the limit is {max_pixels}") from None
-    except Exception as exc:  # truncated, not an image, corrupt palette, ...
-        raise Refused(415, f"cannot decode image: {exc}") from exc
-
-
-class Refused(ValueError):
-    """What cannot be a model's input: 413 (too many pixels) or 415 (not an image we decode)."""
-
-    def __init__(self, status: int, detail: str) -> None:
-        super().__init__(detail)
-        self.status, self.detail = status, detail
 
 
 class Chunk(NamedTuple):
@@ -100,18 +70,18 @@ class Sent(NamedTuple):
     future: Future[Chunk]
 
 
-def decode_chunk(blobs: Sequence[bytes], spec: Spec, max_pixels: int) -> Chunk:
-    """Decode `blobs` at `spec`, in a decoding process or in the calling thread."""
+def decode_chunk(blobs: Sequence[bytes], spec: InputSpec, max_pixels: int) -> Chunk:
+    """Decode `blobs` at `spec` (worker/data/image_array.decode_image), in a decoding process or in
+    the calling thread."""
     began = time.thread_time()
-    channels, height, width, _ = spec
-    out = np.empty((len(blobs), channels, height, width), dtype=np.uint8)
+    out = spec.empty(len(blobs))
     failures: list[Failure | None] = []
     for i, data in enumerate(blobs):
         try:
-            out[i] = decode_one(data, spec, max_pixels)
+            out[i] = decode_image(data, spec, max_pixels)
             failures.append(None)
-        except Refused as refused:
-            failures.append((refused.status, refused.detail))
+        except BadImage as bad:
+            failures.append((bad.status, bad.detail))
     return Chunk(out, failures, time.thread_time() - began)
 
 
@@ -135,7 +105,7 @@ class PoolSlot:
                 raise RuntimeError("the decoding processes are shut down")
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(self.processes, mp_context=forkserver.context(),
-                                                 initializer=_end_with, initargs=(os.getpid(),))
+                                                 initializer=forkserver.end_with, initargs=(os.getpid(),))
             return self._pool
 
     def replace(self, pool: ProcessPoolExecutor, why: str) -> None:
@@ -174,7 +144,7 @@ class DecodeProcesses:
         """Pools replaced since the start (a process died or stalled): the log says each one."""
         return self._pool.replacements + self._quarantine.replacements
 
-    def submit(self, blobs: Sequence[bytes], spec: Spec) -> Sent:
+    def submit(self, blobs: Sequence[bytes], spec: InputSpec) -> Sent:
         """`blobs` on their way as one chunk. A pool found broken here (a process died while idle)
         is replaced and the chunk submitted to the new one; a chunk no pool takes is lost, and
         `gather` decodes its images alone."""
@@ -188,7 +158,7 @@ class DecodeProcesses:
         lost.set_exception(BrokenProcessPool("the decoding pool broke again as it started"))
         return Sent(None, lost)
 
-    def gather(self, chunks: list[list[bytes]], sent: list[Sent], spec: Spec) -> list[Chunk]:
+    def gather(self, chunks: list[list[bytes]], sent: list[Sent], spec: InputSpec) -> list[Chunk]:
         """Each chunk's result, in order. A lost chunk (its pool broke, or it is not back within
         the timeout: its pool is then replaced) is decoded again one image at a time, alone."""
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
@@ -211,9 +181,8 @@ class DecodeProcesses:
         self._pool.close()
         self._quarantine.close()
 
-    def _one_by_one(self, chunk: list[bytes], spec: Spec) -> Chunk:
-        channels, height, width, _ = spec
-        out = np.empty((len(chunk), channels, height, width), dtype=np.uint8)
+    def _one_by_one(self, chunk: list[bytes], spec: InputSpec) -> Chunk:
+        out = spec.empty(len(chunk))
         failures: list[Failure | None] = []
         cpu_s = 0.0
         for i, data in enumerate(chunk):
@@ -226,7 +195,7 @@ class DecodeProcesses:
                 failures.append(one)
         return Chunk(out, failures, cpu_s)
 
-    def _alone(self, data: bytes, spec: Spec) -> Chunk | Failure:
+    def _alone(self, data: bytes, spec: InputSpec) -> Chunk | Failure:
         """`data` decoded by itself in the quarantine: a death or a stall there is this image's."""
         for _ in range(2):
             pool = self._quarantine.current()
@@ -259,20 +228,3 @@ def _end(pool: ProcessPoolExecutor) -> None:
             with contextlib.suppress(Exception):
                 process.kill()
     pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _end_with(worker: int) -> None:
-    """A decoding process: gone when the worker is. Its parent is the forkserver, which outlives a
-    SIGKILLed worker while its children hold its pipe, and they would wait for work forever."""
-    threading.Thread(target=_exit_after, args=(worker,), name="exit-with-worker", daemon=True).start()
-
-
-def _exit_after(pid: int) -> None:
-    try:
-        select.select([os.pidfd_open(pid)], [], [])  # Linux 5.3 and later: readable once `pid` has ended
-    except (AttributeError, OSError):  # no pidfd here, or `pid` is gone already
-        with contextlib.suppress(ProcessLookupError):
-            while True:
-                os.kill(pid, 0)
-                time.sleep(1.0)
-    os._exit(1)

@@ -3,16 +3,16 @@
 It takes a batch the intake has decoded, stacks it into a host staging buffer, copies it to the
 device (pinned and asynchronous on a GPU, padded to a bucketed size there so cuDNN tunes a
 handful of shapes: worker/serving/batching.py), and runs the model's serving graph, a traced
-graph that holds no GIL while it runs (worker/forward_graph.py), on the engine's high-priority
-CUDA stream on a GPU (worker/serving/stream.py, where a model's load, trace and warm-up go too),
+graph that holds no GIL while it runs (worker/checkpoints/forward_graph.py), on the engine's high-priority
+CUDA stream on a GPU (worker/serving/stream.py, where a model's load, trace and shape tuning go too),
 so a training job's kernels do not hold it back. The probabilities go to the
 replies stage on a pool thread, while this thread takes the next batch.
 
-An error here is classified like a training job's (worker/device_health.py): a sticky device
+An error here is classified like a training job's (worker/device/health.py): a sticky device
 error (an illegal memory access, a device-side assert) takes the worker out of service at once,
 through the same path a job's would, rather than answering 503 until the heartbeat's probes fail.
 
-On a CPU device the forward's torch threads follow worker/cpu_threads.py: all the cores for a
+On a CPU device the forward's torch threads follow worker/device/cpu_threads.py: all the cores for a
 heavy model while no job runs, one for a light one, one while a job runs, when this thread hands
 over to a fresh one (a thread that has run an OpenMP team keeps it).
 """
@@ -28,11 +28,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from worker.cpu_threads import HEAVY_FORWARD_S, ForwardThreads
-from worker.device import WorkerDevice
-from worker.device_health import DeviceHealth
-from worker.model_cache import ResidentModel
+from worker.device.cpu_threads import HEAVY_FORWARD_S, ForwardThreads
+from worker.device.health import DeviceHealth
+from worker.device.pinning import WorkerDevice
 from worker.serving.batching import BatchWindow, HostStaging, bucket_size, buckets
+from worker.serving.model_cache import ResidentModel
 from worker.serving.replies import PreparedGroup
 from worker.serving.stats import InferenceStats
 from worker.serving.stream import ServingStream
@@ -107,8 +107,8 @@ class DeviceLoop:
         if not self.cores_free.wait(timeout_s):
             log.warning("the /predict forward did not leave the cores within %gs; the job starts anyway", timeout_s)
 
-    def warm(self, entry: ResidentModel) -> None:
-        """Every batch shape this device will use, run once as the model loads (on the loading
+    def tune(self, entry: ResidentModel) -> None:
+        """Every batch shape this device will use tuned: run once as the model loads (on the loading
         thread, on the engine's stream), so that cuDNN picks its kernels then and not under traffic:
         on a GPU, the bucketed sizes; waited for on that stream alone, never behind a training
         step. A CPU runs every size from 1 to max_batch and has no per-shape tuning to hoist."""
@@ -188,7 +188,7 @@ class DeviceLoop:
             self.answer_later(group, probabilities)
 
     def _use_threads(self, entry: ResidentModel) -> None:
-        """This batch's torch threads on a CPU device, by the model's weight (worker/cpu_threads.py).
+        """This batch's torch threads on a CPU device, by the model's weight (worker/device/cpu_threads.py).
 
         The cores are marked taken before the job flag is read: a job that starts after the read
         waits in `release_cores` for the hand-over; one that started before it is seen here, and

@@ -13,20 +13,20 @@ each in its own module:
 - replies (worker/serving/replies.py): top-k answers, sent while the device computes the next batch.
 
 The intake thread here takes requests off the list until the window says the batch is complete,
-loads the models they ask for (worker/model_cache.py; a model that was just loaded has its batch
+loads the models they ask for (worker/serving/model_cache.py; a model that was just loaded has its batch
 shapes run once, so no request pays for cuDNN's tuning) and starts decoding the images (on the
 decoding processes, or itself for cheap images); then it takes the next batch while that one
 decodes. The assembly thread collects each batch's images in order, answers the requests whose
 images cannot be decoded, and hands the rest to the device loop, which computes the previous
 batch meanwhile. So decoding, computing and taking requests overlap, and the batches a device
-computes are the batches the window formed, in order. Warm requests (an alias about to move)
-ride the same list and are answered once the model is resident.
+computes are the batches the window formed, in order. Preload requests (an alias about to
+move) ride the same list and are answered once the model is resident.
 
 A request taken off the list is always answered: what cannot run is refused with its reason, a
 decoding process that dies or stalls costs its chunk a retry (worker/serving/decode_processes.py),
 and any other failure on the intake's path answers every request it had taken with a 503, never
-silence (its caller would wait out the API's timeout). A model is loaded, traced and warmed on the
-engine's stream (worker/serving/stream.py), as its batches are computed.
+silence (its caller would wait out the API's timeout). A model is loaded, traced and its shapes tuned
+on the engine's stream (worker/serving/stream.py), as its batches are computed.
 """
 
 from __future__ import annotations
@@ -47,15 +47,16 @@ import torch
 
 from core.config import Settings
 from core.logs import RedisOutageLog
-from core.wire import PredictReply, PredictRequest, WarmedModel, WarmRequest
-from worker.checkpoint import CheckpointError
-from worker.cpu_threads import ForwardThreads, pin_to_one_thread, usable_cores
-from worker.device import WorkerDevice
-from worker.device_health import DeviceHealth
-from worker.model_cache import ModelCache, ResidentModel
+from core.wire import PredictReply, PredictRequest, PreloadedModel, PreloadRequest
+from worker.checkpoints.format import CheckpointError
+from worker.data.image_array import BadImage
+from worker.device.cpu_threads import ForwardThreads, pin_to_one_thread, usable_cores
+from worker.device.health import DeviceHealth
+from worker.device.pinning import WorkerDevice
 from worker.serving.batching import BatchWindow
-from worker.serving.decode import BadImage, Decoder, PendingDecode
+from worker.serving.decode import Decoder, PendingDecode
 from worker.serving.device_loop import DeviceLoop
+from worker.serving.model_cache import ModelCache, ResidentModel
 from worker.serving.replies import PreparedGroup, send_results
 from worker.serving.stats import InferenceStats
 from worker.serving.transport import Transport
@@ -88,7 +89,7 @@ class InferenceServer:
                  on_broken: Callable[[str], None] = lambda reason: None) -> None:
         """`client` must not decode responses (requests are binary frames). A CPU device's forward
         runs on all the cores for a heavy model (or `cpu_threads` for every model) while no job
-        runs on this worker, on one for a light model, on one while a job runs (worker/cpu_threads.py).
+        runs on this worker, on one for a light model, on one while a job runs (worker/device/cpu_threads.py).
         Padding to bucketed sizes pays on a GPU and costs on a CPU; the tests turn it on for the
         CPU to run the same path."""
         self.device = device
@@ -99,11 +100,11 @@ class InferenceServer:
         self.window = BatchWindow(max_batch, max_wait_ms / 1000)
         self.decoder = Decoder(decode_processes or usable_cores(), max_pixels, decode_timeout_s)
         # Replies are sent from threads of their own while the device computes the next batch; torch
-        # ops there (top-k) must not start an OpenMP team (worker/cpu_threads.py).
+        # ops there (top-k) must not start an OpenMP team (worker/device/cpu_threads.py).
         self._replies = ThreadPoolExecutor(REPLY_THREADS, thread_name_prefix="torchyard-replies",
                                            initializer=pin_to_one_thread)
         self._halt = threading.Event()
-        self._warms: list[WarmRequest] = []  # taken off the list with the requests, served after them
+        self._preloads: list[PreloadRequest] = []  # taken off the list with the requests, served after them
         self.device_loop = DeviceLoop(
             device, self._halt, max_batch=max_batch,
             pad_to_buckets=device.kind == "cuda" if pad_to_buckets is None else pad_to_buckets,
@@ -162,8 +163,8 @@ class InferenceServer:
                     if batch:
                         self._count_assembling(+1)
                         self._put(batch)
-                if self._warms:
-                    self._serve_warms()
+                if self._preloads:
+                    self._serve_preloads()
             except redis.RedisError as exc:  # one line when an outage starts, one when it ends
                 self._outage.unavailable(exc)
                 self._answer_lost(taken, f"Redis failed on {self.device.id}: {exc}")
@@ -186,7 +187,7 @@ class InferenceServer:
     def _collect(self, requests: list[PredictRequest]) -> None:
         """Block for a first request, then take what comes until the window says the batch is
         complete; each request is appended to `requests` as it is taken."""
-        images = self.transport.decode(self.transport.take_first(self.max_batch), requests, self._warms)
+        images = self.transport.decode(self.transport.take_first(self.max_batch), requests, self._preloads)
         if not requests:
             return
         # Poll rather than BLPOP: an idle Redis wakes for blocking timeouts only every 1/hz (100 ms
@@ -213,7 +214,7 @@ class InferenceServer:
                 time.sleep(min(POLL_S, max(POLL_MIN_S, self.window.deadline(opened_at) - now)))
             arrived = self.transport.take_more(self.max_batch - images)
             arriving = bool(arrived)
-            images += self.transport.decode(arrived, requests, self._warms)
+            images += self.transport.decode(arrived, requests, self._preloads)
         self.window.observe(images)
 
     def _prepare(self, requests: list[PredictRequest]) -> list[Decoding]:
@@ -299,12 +300,12 @@ class InferenceServer:
     def _resident(self, job_id: str) -> ResidentModel:
         """The job's model on the device; one that was just loaded has its batch shapes run once.
         All of it on the engine's stream: the checkpoint's copy onto the device, the trace and its
-        probe (worker/model_cache.py), the warm-up."""
+        probe (worker/serving/model_cache.py), the shape tuning."""
         with self.device_loop.stream():
             entry = self.cache.get(job_id)
-            if not entry.warmed:
-                self.device_loop.warm(entry)
-                entry.warmed = True
+            if not entry.tuned:
+                self.device_loop.tune(entry)
+                entry.tuned = True
         return entry
 
     def _answer(self, group: PreparedGroup, probabilities: torch.Tensor) -> None:
@@ -314,21 +315,21 @@ class InferenceServer:
         """On a pool thread, while the device computes the next batch."""
         self._replies.submit(self._answer, group, probabilities)
 
-    def _serve_warms(self) -> None:
-        """Load each warmed job's model (an alias is about to move to it) and say when it is resident."""
-        warms, self._warms = self._warms, []
-        for warm in warms:
-            if self.transport.local_time(warm.deadline) < time.time():
+    def _serve_preloads(self) -> None:
+        """Load each preloaded job's model (an alias is about to move to it) and say when it is resident."""
+        preloads, self._preloads = self._preloads, []
+        for preload in preloads:
+            if self.transport.local_time(preload.deadline) < time.time():
                 continue  # the caller has given up already
             started = time.perf_counter()
-            loaded = warm.job_id not in self.cache.resident()
+            loaded = preload.job_id not in self.cache.resident()
             try:
-                self._resident(warm.job_id)
-                reply = PredictReply(200, WarmedModel(job_id=warm.job_id, device=self.device.id, loaded=loaded,
-                                                      seconds=round(time.perf_counter() - started, 4)).model_dump_json())
+                self._resident(preload.job_id)
+                reply = PredictReply(200, PreloadedModel(job_id=preload.job_id, device=self.device.id, loaded=loaded,
+                                                         seconds=round(time.perf_counter() - started, 4)).model_dump_json())
             except CheckpointError as exc:
                 reply = PredictReply.error(409, str(exc))
             except Exception as exc:
-                log.exception("warming job %s failed", warm.job_id)
+                log.exception("preloading job %s failed", preload.job_id)
                 reply = PredictReply.error(503, f"loading failed on {self.device.id}: {exc}")
-            self.transport.send_warm(warm, reply)
+            self.transport.send_preload_reply(preload, reply)

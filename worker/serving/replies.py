@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from core.wire import PredictReply, PredictRequest
-from worker.model_cache import ResidentModel
+from worker.serving.model_cache import ResidentModel
 from worker.serving.transport import Transport
 
 log = logging.getLogger(__name__)

@@ -1,9 +1,9 @@
 """The serving engine's CUDA stream: where all of /predict's device work is queued, and its CPU twin.
 
 A worker's training job queues its kernels on the default stream. Were a model's load (the
-checkpoint's copy onto the device), its trace, its probe and its warm-up batches queued there
+checkpoint's copy onto the device), its trace, its probe and its shape-tuning batches queued there
 too, a prediction for a model just loaded would wait behind the training step's kernels however
-high the forward's own stream stands; and the device-wide synchronisation of a warm-up would wait
+high the forward's own stream stands; and the device-wide synchronisation of that tuning would wait
 for them all. So the engine holds one high-priority stream (priorities: lower is higher; a value
 out of range is clamped to the highest), and every thread that works for /predict on the device,
 the intake as it loads a model and the device loop as it computes a batch, enters it: the

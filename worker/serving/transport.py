@@ -3,9 +3,9 @@
 Requests are binary frames (core/wire.PredictRequest), so the list is read by a client that does
 not decode responses; a request's images are sliced out of its frame, never base64-decoded. A
 message's kind is decided by its structure, never by a prefix a client controls: a frame begins
-with the request's body as the client sent it (a multipart preamble may hold any bytes, `warm `
+with the request's body as the client sent it (a multipart preamble may hold any bytes, `preload `
 among them) and ends with the trailer only the API writes, so a message with that trailer is a
-prediction, and only one without it may be a warm request.
+prediction, and only one without it may be a preload request.
 Answers go to the inbox of the API process that asked, one RPUSH per inbox for a whole batch.
 
 The intake also keeps this process's estimate of Redis's clock (core/clock.RedisClock): the
@@ -23,7 +23,7 @@ import redis
 
 from core import keys
 from core.clock import RedisClock
-from core.wire import REPLY_TTL_S, MalformedMessage, PredictReply, PredictRequest, WarmRequest
+from core.wire import REPLY_TTL_S, MalformedMessage, PredictReply, PredictRequest, PreloadRequest
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,13 @@ class Transport:
         return (self.redis.lpop(self.queue, most) or []) if most > 0 else []
 
     @staticmethod
-    def decode(raw: list[bytes], requests: list[PredictRequest], warms: list[WarmRequest]) -> int:
-        """Sort messages into predictions and warm-ups; the images of the predictions added."""
+    def decode(raw: list[bytes], requests: list[PredictRequest], preloads: list[PreloadRequest]) -> int:
+        """Sort messages into predictions and preload requests; the images of the predictions added."""
         images = 0
         for item in raw:
             try:
-                if not PredictRequest.is_frame(item) and WarmRequest.is_warm(item):
-                    warms.append(WarmRequest.decode(item))
+                if not PredictRequest.is_frame(item) and PreloadRequest.is_preload(item):
+                    preloads.append(PreloadRequest.decode(item))
                     continue
                 request = PredictRequest.decode(item)
             except MalformedMessage as exc:
@@ -85,8 +85,8 @@ class Transport:
             replies[request.header.reply_to].append(PredictReply.error(status, detail).encode_to(request.header.request_id))
         self.send(replies)
 
-    def send_warm(self, warm: WarmRequest, reply: PredictReply) -> None:
+    def send_preload_reply(self, preload: PreloadRequest, reply: PredictReply) -> None:
         pipe = self.redis.pipeline(transaction=False)
-        pipe.rpush(warm.reply_to, reply.encode())
-        pipe.expire(warm.reply_to, REPLY_TTL_S)
+        pipe.rpush(preload.reply_to, reply.encode())
+        pipe.expire(preload.reply_to, REPLY_TTL_S)
         pipe.execute()

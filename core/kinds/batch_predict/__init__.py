@@ -1,5 +1,5 @@
 """The `batch_predict` kind (wire value "predict"): a trained job's model over every image of an
-uploaded dataset → a JSON-lines results file (worker/kinds/predict.py runs it).
+uploaded dataset → a JSON-lines results file (worker/kinds/batch_predict.py runs it).
 
 - `spec`: what POST /jobs with `"kind": "predict"` takes (`BatchPredictSpec`);
 - `params`: what the job stores (`BatchPredictParams`) and their resolution at submit (`resolve`);

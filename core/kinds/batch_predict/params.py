@@ -1,6 +1,6 @@
 """A batch prediction's params (`BatchPredictParams`): whose model labels the images, how many
 answers per image, in what batch; decided at submit (`resolve`) as far as they can be, read back
-by worker/kinds/predict.py. The batch is left to the worker when the job leaves it open: it
+by worker/kinds/batch_predict.py. The batch is left to the worker when the job leaves it open: it
 depends on the device type (`defaults.PREDICT_BATCH_SIZE`), and `batch_for` says which."""
 
 from __future__ import annotations

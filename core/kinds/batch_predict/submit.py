@@ -3,7 +3,7 @@ as a job.
 
 `POST /jobs` with `"kind": "predict"` creates a batch-prediction job (the lifecycle of every
 kind: queued → running → succeeded, leases, redelivery, cancel, events); the worker's handler
-(worker/kinds/predict.py) writes one JSON line per image into the job's `results.jsonl`, which
+(worker/kinds/batch_predict.py) writes one JSON line per image into the job's `results.jsonl`, which
 `GET /jobs/{id}/results` streams once the job succeeded. This module is the API's side: what a
 submission must name (a succeeded training job, directly or through an alias resolved once, here;
 an uploaded dataset, labelled or not; a top-k the model can answer) and where the file is.

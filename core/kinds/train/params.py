@@ -5,7 +5,7 @@ with, the batch it validates in, the schedule a run of so many steps uses.
 The worker reads what is stored and never re-decides a default, so the record says exactly what
 ran (nanoGPT keeps its defaults in one block and saves them with the checkpoint the same way).
 What depends on the device that takes the job (the batch size when none was asked for, mixed
-precision, data placement) is the worker's choice, recorded beside the params (worker/trainer.py
+precision, data placement) is the worker's choice, recorded beside the params (worker/training/trainer.py
 `plan_training`, core/schemas.DeviceChoices).
 
 The field defaults of `TrainingParams` are `LEGACY_RECIPE`'s: what a job stored before the recipe
@@ -74,7 +74,7 @@ class TrainingParams(KindParams):
     pretrained: bool = False
     # "auto": the device's native mixed precision (worker/recipe.choose_precision); "fp32": none.
     precision: defaults.Precision = defaults.PRECISION
-    # Data-parallel training (worker/gang_training.py): ranks asked for; resume with fewer after a fault.
+    # Data-parallel training (worker/gang/training.py): ranks asked for; resume with fewer after a fault.
     world_size: int = defaults.WORLD_SIZE
     elastic: bool = False
     # The input the images are loaded at (the model's channels; image_size square, or a fixed-size

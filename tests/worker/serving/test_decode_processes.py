@@ -14,9 +14,10 @@ import psutil
 from PIL import Image
 
 from tests.support import wait_until
-from worker.serving.decode_processes import Chunk, DecodeProcesses, Refused, decode_one
+from worker.data.image_array import BadImage, InputSpec, decode_image
+from worker.serving.decode_processes import Chunk, DecodeProcesses
 
-SPEC = (3, 64, 64, None)
+SPEC = InputSpec(3, 64, 64)
 
 
 def _jpeg(seed: int, size: int = 320) -> bytes:
@@ -28,9 +29,9 @@ def _jpeg(seed: int, size: int = 320) -> bytes:
 
 def _expected(data: bytes) -> np.ndarray | int:
     try:
-        return decode_one(data, SPEC, 10**7)
-    except Refused as refused:
-        return refused.status
+        return decode_image(data, SPEC, 10**7)
+    except BadImage as bad:
+        return bad.status
 
 
 def _outcomes(results: list[Chunk]) -> list[np.ndarray | int]:

@@ -1,5 +1,5 @@
-"""The worker's inference pieces with real torch and a real Redis: decoding every accepted format
-the way training does, the resident-model LRU, and dynamic batching through the Redis list."""
+"""The worker's inference pieces with real torch and a real Redis: the resident-model LRU, and
+dynamic batching through the Redis list (decoding is worker/data/image_array.py's, tested beside it)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ from core import keys
 from core.storage import CheckpointPaths
 from core.wire import PredictReply, PredictRequest
 from models.registry import build_model
-from worker.checkpoint import CheckpointError, ModelMeta, Preprocessing, save_model
-from worker.device import WorkerDevice
-from worker.model_cache import ModelCache
-from worker.preprocess import image_to_array, normalize, stats_tensors
-from worker.serving.decode import BadImage, DecodeSplit, decode_image
+from worker.checkpoints.format import CheckpointError, ModelMeta, Preprocessing, save_model
+from worker.data.image_array import InputSpec, decode_image, image_to_array
+from worker.data.normalization import normalize, stats_tensors
+from worker.device.pinning import WorkerDevice
+from worker.serving.decode import DecodeSplit
 from worker.serving.engine import InferenceServer
+from worker.serving.model_cache import ModelCache
 
 META = ModelMeta("cifar_net", 10, [f"c{i}" for i in range(10)],
                  Preprocessing(3, 32, 32, (0.4, 0.5, 0.6), (0.2, 0.25, 0.3)), "job-a")
@@ -47,54 +48,6 @@ def _save(paths: CheckpointPaths, job_id: str, seed: int, arch: str = "cifar_net
     path.parent.mkdir(parents=True, exist_ok=True)
     save_model(path, model, ModelMeta(arch, 10, META.classes, META.preprocessing, job_id))
     return model
-
-
-@pytest.mark.parametrize("fmt,kw", [("PNG", {}), ("BMP", {}), ("WEBP", {"lossless": True}), ("JPEG", {"quality": 95})])
-def test_decode_matches_the_training_transform(fmt: str, kw: dict) -> None:
-    data = _encode(_rgb(1, (48, 40)), fmt, **kw)
-    expected = image_to_array(Image.open(io.BytesIO(data)), 3, 32, 32)  # what worker/data.py does for training
-    decoded = decode_image(data, META, max_pixels=10_000)
-    assert decoded.shape == (3, 32, 32) and decoded.dtype == np.uint8
-    assert np.array_equal(decoded, expected)
-    if fmt != "JPEG":  # lossless formats decode to exactly the resized source
-        source = np.asarray(_rgb(1, (48, 40)).resize((32, 32), Image.Resampling.BILINEAR)).transpose(2, 0, 1)
-        assert np.array_equal(decoded, source)
-
-
-def test_gif_uses_the_first_frame_and_grayscale_models_get_one_channel() -> None:
-    frames = [Image.new("RGB", (32, 32), (255, 0, 0)), Image.new("RGB", (32, 32), (0, 0, 255))]
-    buffer = io.BytesIO()
-    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:])
-    decoded = decode_image(buffer.getvalue(), META, max_pixels=10_000)
-    assert decoded[0].min() > 200 and decoded[2].max() < 50  # red, not blue
-    gray = ModelMeta("catdog_net", 2, ["cat", "dog"], Preprocessing(1, 50, 50, (0.5,), (0.5,)), "g")
-    assert decode_image(_encode(_rgb(2), "PNG"), gray, max_pixels=10_000).shape == (1, 50, 50)
-
-
-def test_a_png_whose_header_fits_but_whose_data_is_broken_is_a_415() -> None:
-    """Why PNGs are not decoded by libpng through torchvision.io.decode_png, though it takes about
-    half of PIL's CPU for a small PNG (docs/benchmarks.md): torchvision 0.29.1 segfaults on this
-    very file, a worker killed by one upload."""
-    data = bytearray(_encode(_rgb(13), "PNG"))
-    idat = data.index(b"IDAT")
-    data[idat + 8:idat + 40] = bytes(32)  # zlib stream destroyed, header intact
-    with pytest.raises(BadImage) as info:
-        decode_image(bytes(data), META, max_pixels=10_000)
-    assert info.value.status == 415
-
-
-@pytest.mark.parametrize("data", [b"", b"not an image at all", _encode(_rgb(3), "PNG")[:200],
-                                  _encode(_rgb(3), "TIFF")])
-def test_undecodable_input_is_a_415(data: bytes) -> None:
-    with pytest.raises(BadImage) as info:
-        decode_image(data, META, max_pixels=10_000)
-    assert info.value.status == 415
-
-
-def test_too_many_pixels_is_a_413() -> None:
-    with pytest.raises(BadImage) as info:
-        decode_image(_encode(_rgb(4, (200, 100)), "PNG"), META, max_pixels=10_000)
-    assert info.value.status == 413
 
 
 def test_cache_is_an_lru_that_reloads_changed_checkpoints(tmp_path) -> None:
@@ -240,7 +193,7 @@ def test_large_images_are_decoded_by_the_pool_with_the_same_answers(clean_redis_
         server.join()
     mean, std = stats_tensors(META.preprocessing, "cpu")
     with torch.inference_mode():
-        x = torch.from_numpy(np.stack([decode_image(j, META, 10**6) for j in jpegs]))
+        x = torch.from_numpy(np.stack([decode_image(j, InputSpec.of(META.preprocessing), 10**6) for j in jpegs]))
         expected = torch.softmax(model(normalize(x, mean, std)), dim=1)
     for answer in replies:
         assert answer.status == 200

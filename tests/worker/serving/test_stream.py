@@ -19,10 +19,10 @@ from core import keys
 from core.storage import CheckpointPaths
 from core.wire import PredictReply, PredictRequest
 from models.registry import build_model
-from worker.checkpoint import ModelMeta, Preprocessing, save_model
-from worker.device import WorkerDevice
-from worker.model_cache import ModelCache
+from worker.checkpoints.format import ModelMeta, Preprocessing, save_model
+from worker.device.pinning import WorkerDevice
 from worker.serving.engine import InferenceServer
+from worker.serving.model_cache import ModelCache
 
 PRE = Preprocessing(3, 32, 32, (0.4, 0.5, 0.6), (0.2, 0.25, 0.3))
 

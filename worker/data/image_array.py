@@ -1,0 +1,147 @@
+"""An image → the model's input array (uint8 C×H×W): the one transform every path shares.
+
+Training data (an upload decoded by worker/data/dataset_decode.py, a built-in set by
+worker/data/datasets.py), /predict (worker/serving/decode_processes.py) and a batch prediction
+(worker/data/batch_predict_loader.py) all turn an image into input here, so a prediction sees
+exactly the evaluation transform the model was trained with, and a batch prediction's line is
+/predict's answer for the same file. `decode_image` is the bytes' way in (the format allowlist of
+core/images.py, the pixel limit, every failure a `BadImage` with the HTTP status it becomes);
+`image_to_array` the transform of an opened image (the checkpoint's channels and size, the
+shorter-side resize and centre crop of pretrained weights, libjpeg's scaled decoding for JPEG).
+
+The module imports no torch: the processes that decode an uploaded dataset and /predict's images
+import it, and each would otherwise spend seconds and hundreds of megabytes importing torch
+before its first image. Normalisation (the float side) is worker/data/normalization.py.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+from PIL import Image
+
+from core.images import IMAGE_FORMATS
+
+if TYPE_CHECKING:
+    from worker.checkpoints.format import Preprocessing
+
+# Bumped whenever image_to_array's output changes for some input: datasets decoded by an older
+# transform (worker/data/datasets.py's caches) are decoded again, so training data stays what /predict sees.
+# 2: JPEG draft (below).
+TRANSFORM_VERSION = 2
+
+# JPEG decodes at 1/2, 1/4 or 1/8 scale (`Image.draft`) only while the scaled image keeps at least
+# this many pixels per output pixel on both sides, and the resize after it maps the original's
+# exact extent (draft's box): Pillow's own `thumbnail` default. This stays close to the full decode
+# of the same files (docs/benchmarks.md, "Dataset decode"), where the smallest draft that covers the
+# target, resized without the box, was visibly off.
+DRAFT_REDUCING_GAP = 2
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """What a model takes: channels, height, width, and the shorter-side resize before a centre
+    crop (pretrained weights' eval transform), or None for a plain resize."""
+
+    channels: int
+    height: int
+    width: int
+    resize_size: int | None = None
+
+    @classmethod
+    def of(cls, pre: Preprocessing) -> InputSpec:
+        """The input a checkpoint's recorded preprocessing asks for."""
+        return cls(pre.channels, pre.height, pre.width, pre.resize_size)
+
+    @property
+    def name(self) -> str:
+        return f"{self.channels}x{self.height}x{self.width}" + (f"r{self.resize_size}" if self.resize_size else "")
+
+    def empty(self, n: int) -> np.ndarray:
+        return np.empty((n, self.channels, self.height, self.width), dtype=np.uint8)
+
+
+class BadImage(ValueError):
+    """What cannot be a model's input: 413 (too many pixels) or 415 (not an image we decode); the
+    message says why, for the client."""
+
+    def __init__(self, detail: str, status: int = 415) -> None:
+        super().__init__(detail)
+        self.detail, self.status = detail, status
+
+
+def decode_image(data: bytes, spec: InputSpec, max_pixels: int) -> np.ndarray:
+    """Bytes → C×H×W uint8 at `spec`; any failure is a BadImage. Only the allowlisted formats are
+    tried (core/images.py), and Pillow's decoders raise Python errors on corrupt or truncated data."""
+    try:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:
+            if image.width * image.height > max_pixels:
+                raise BadImage(f"image has {image.width * image.height} pixels, over the limit of {max_pixels}", 413)
+            return image_to_array(image, spec.channels, spec.height, spec.width, spec.resize_size)
+    except BadImage:
+        raise
+    except Image.DecompressionBombError:
+        raise BadImage(f"image has too many pixels; the limit is {max_pixels}", 413) from None
+    except Exception as exc:  # truncated, not an image, corrupt palette, ...
+        raise BadImage(f"cannot decode image: {exc}") from exc
+
+
+def image_to_array(image: Image.Image, channels: int, height: int, width: int,
+                   resize_size: int | None = None) -> np.ndarray:
+    """Decode to the architecture's channels and size: uint8 array C×H×W. With `resize_size` (the
+    eval transform of pretrained weights): the shorter side resized to it, then a centre crop, as
+    torchvision's Resize + CenterCrop do it.
+
+    A JPEG not yet loaded is decoded by libjpeg at the smallest of 1/8, 1/4, 1/2 scale that keeps
+    DRAFT_REDUCING_GAP times the size the resize goes to (`Image.draft`): most of a large photo's
+    cost is decoding pixels the resize would average away. Other formats decode in full."""
+    if getattr(image, "is_animated", False):
+        image.seek(0)  # GIF/WebP animations: the first frame
+    mode = "L" if channels == 1 else "RGB"
+    resized = (width, height) if resize_size is None else _shorter_side_size(image.size, resize_size)
+    box = _draft(image, mode, resized)
+    if image.mode != mode:
+        image = image.convert(mode)
+    if image.size != resized or box is not None:
+        image = image.resize(resized, Image.Resampling.BILINEAR, box=box)
+    if resize_size is not None:
+        image = _centre_crop(image, height, width)
+    array = np.asarray(image, dtype=np.uint8)
+    if array.ndim == 2:
+        array = array[None, :, :]
+    else:
+        array = array.transpose(2, 0, 1)
+    return np.ascontiguousarray(array)
+
+
+def _draft(image: Image.Image, mode: str, size: tuple[int, int]) -> tuple[float, float, float, float] | None:
+    """Ask the JPEG decoder for a reduced image; the original's extent in it (for `resize(box=)`),
+    or None when it is not reduced. Pillow ignores the request for other formats and for an image
+    already loaded; a JPEG of mode RGB asked for "L" decodes its luma alone."""
+    drafted = image.draft(mode, (size[0] * DRAFT_REDUCING_GAP, size[1] * DRAFT_REDUCING_GAP))
+    if drafted is None:
+        return None
+    box = drafted[1]
+    return None if (box[2], box[3]) == image.size else box
+
+
+def _shorter_side_size(size: tuple[int, int], shorter: int) -> tuple[int, int]:
+    """The size torchvision's Resize(shorter) gives an image of `size` (width, height)."""
+    w, h = size
+    if w <= h:
+        return (w, h) if w == shorter else (shorter, int(shorter * h / w))
+    return (w, h) if h == shorter else (int(shorter * w / h), shorter)
+
+
+def _centre_crop(image: Image.Image, height: int, width: int) -> Image.Image:
+    w, h = image.size
+    top, left = round((h - height) / 2.0), round((w - width) / 2.0)
+    return image.crop((left, top, left + width, top + height))  # PIL pads with black where it must
+
+
+def apply_preprocessing(image: Image.Image, pre: Preprocessing) -> np.ndarray:
+    """An image as the checkpoint's recorded preprocessing turns it into input (before normalising)."""
+    return image_to_array(image, pre.channels, pre.height, pre.width, pre.resize_size)
