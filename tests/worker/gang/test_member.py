@@ -102,7 +102,7 @@ def test_a_device_reserved_for_a_gang_gives_a_single_job_back_and_a_stale_rank_r
     client, store, scheduler = cluster["client"], cluster["store"], cluster["scheduler"]
     for device_id in ("a/cpu", "b/cpu"):
         _live_device(cluster["registry"], device_id)
-    params = resolve_params(JobSpec(model="cifar_net", dataset="fake", batch_size=48, world_size=2)).model_dump()
+    params = resolve_params(JobSpec(model="cifar_net", dataset="fake", batch_size=48, world_size=2))
     gang, _ = store.create(model="cifar_net", dataset="fake", params=params, requested_device="cpu")
     gang_token = store.raw_field(gang.id, "delivery") or ""
     assert scheduler.run_once() == [gang.id]
@@ -111,7 +111,8 @@ def test_a_device_reserved_for_a_gang_gives_a_single_job_back_and_a_stale_rank_r
 
     # A single-device job's message reaches the reserved worker: its runner claims nothing and sends
     # the message back to the job's queue for another worker (or this one, after its rank).
-    single, _ = store.create(model="cifar_net", dataset="fake", params={"epochs": 1}, requested_device="auto")
+    single, _ = store.create(model="cifar_net", dataset="fake", params=resolve_params(JobSpec(model="cifar_net", dataset="fake", epochs=1)),
+                             requested_device="auto")
     single_token = store.raw_field(single.id, "delivery") or ""
     client.delete("train")  # the worker took its message
     runner.run(single.id, single_token)
