@@ -266,7 +266,7 @@ LPOP now pipelined): worker CPU per cifar_net image at c=32 0.29-0.31 → 0.22-0
 pairs; gen-2 garbage collections over the whole
 imported world (`gc.freeze()` once started) stalled every request in flight ~200 ms: c=32 p99
 214 → 19 ms; FastAPI's multipart parsing (~250 µs a request; a lean reader in
-app/api/multipart.py); uvicorn's access log (~15% of the API's CPU; `TORCHYARD_ACCESS_LOG`, off by
+app/api/serving/multipart.py); uvicorn's access log (~15% of the API's CPU; `TORCHYARD_ACCESS_LOG`, off by
 default); the API's parse and re-serialisation of the worker's JSON (passed through); FastAPI's
 routing, dependency and exception layers for /predict (the front gate serves it directly: API CPU
 per cifar_net request 0.40 → 0.32 ms); a BLPOP of its own per request (one reply inbox per API

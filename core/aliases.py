@@ -6,7 +6,7 @@ alias's: the target is a succeeded training job *at the moment of the move* (a d
 change of the job in between aborts and retries it), and the move, the name → job index that
 /predict reads and the history entry are written together, so they never disagree. /predict
 resolves a name and queues the request in one script that checks the name still points at the
-job it resolved (app/api/predictions.py), so a request is answered by exactly one job.
+job it resolved (app/api/serving/transport.py), so a request is answered by exactly one job.
 
 Promotion (`AliasService.promote`) warms before it moves: the new target is loaded on every live
 device that holds the current target resident (core/warming.py, bounded wait), so the first

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio as aioredis
 
-from app.api.predictions import PredictionClient
+from app.api.serving.engine import PredictionClient
 from core.aliases import AliasService, AliasStore, job_is_aliased
 from core.batch_predict import BatchPredictions
 from core.config import Settings
