@@ -1,4 +1,4 @@
-"""Takeover after a crash under `torchyard up` (#29 item 3): SIGKILL the worker mid-epoch and time
+"""Takeover after a crash under `torchyard up`: SIGKILL the worker mid-epoch and time
 how long its job takes to run again on the worker `up` restarts.
 
     flock /tmp/torchyard-bench.lock .venv/bin/python bench/takeover.py [--rounds 3] [--no-write-docs]

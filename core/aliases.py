@@ -61,7 +61,7 @@ class Caller:
 def job_is_aliased(client: redis.Redis, job_id: str) -> list[str]:
     """The aliases that point at `job_id` (sorted; empty when none): such a job must not be deleted.
 
-    For the job-deletion protections (#13): a delete that WATCHes `keys.ALIASES` in its transaction
+    For the job-deletion protections (core/retention.py): a delete that WATCHes `keys.ALIASES` in its transaction
     is aborted by any move that happens between this check and the delete."""
     return sorted(name for name, target in client.hgetall(keys.ALIASES).items() if target == job_id)
 

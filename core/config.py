@@ -161,7 +161,7 @@ class Settings(BaseSettings):
     )
     max_json_bytes: int = Field(default=1024**2, ge=1, description="Largest application/json request body.")
 
-    # --- aliases and exports (#16) ---------------------------------------------------------
+    # --- aliases and exports ---------------------------------------------------------------
     alias_warm_timeout_s: float = Field(
         default=30.0, gt=0, le=600,
         description="How long a move waits for the new target to load where the old one is resident.",
@@ -170,7 +170,7 @@ class Settings(BaseSettings):
         default=2, ge=1, le=60, description="Retry-After of a 202 from GET /jobs/{id}/export while it builds.",
     )
 
-    # --- reliability (#12): dispatch reconciliation, device faults ---------------------------
+    # --- reliability: dispatch reconciliation, device faults ---------------------------------
     dispatch_grace_s: float | None = Field(
         default=None, gt=0,
         description="A queued job not claimed this long after its message was sent is looked for; if its "
@@ -183,7 +183,7 @@ class Settings(BaseSettings):
                     "sticky CUDA error).",
     )
 
-    # --- data-parallel jobs (#27): docs/training.md, docs/deployment.md "Ports" ----------------
+    # --- data-parallel jobs: docs/training.md, docs/deployment.md "Ports" ----------------------
     advertise_address: str | None = Field(
         default=None,
         description="The address the other ranks of a gang reach this worker at: its rendezvous store when it "
@@ -200,7 +200,7 @@ class Settings(BaseSettings):
                     "(torch.distributed's process-group timeout). Unset: lease_ttl_s.",
     )
 
-    # --- hostile clients and resource exhaustion (#13; docs/security.md) -----------------------
+    # --- hostile clients and resource exhaustion (docs/security.md) ----------------------------
     allow_unauthenticated: bool = Field(
         default=False,
         description="Serve without TORCHYARD_API_KEY on a non-loopback address. Off: `api` and `up` refuse to start.",

@@ -229,7 +229,7 @@ class PredictReply:
         raise _ERRORS.get(self.status, Unavailable)(detail)
 
 
-# --- warming a model before an alias moves to it (#16) -----------------------------------------
+# --- warming a model before an alias moves to it ----------------------------------------------
 class WarmRequest(BaseModel):
     """Load `job_id`'s model on the device that takes this message; answer when it is resident."""
 

@@ -63,7 +63,7 @@ def test_imports_point_down(package: str) -> None:
     assert _breaches(package) == []
 
 
-# Job kinds (#30): each kind's params and their resolution in core/kinds/<kind>.py, its handler in
+# Job kinds: each kind's params and their resolution in core/kinds/<kind>.py, its handler in
 # worker/kinds/<kind>.py, named the same. A handler reads its own kind's params only, and the API's
 # side of a kind is a leaf of the domain: it imports no submitter, job store or other kind's params.
 KINDS = {"train", "evaluate", "predict", "export"}

@@ -174,7 +174,7 @@ def test_a_child_with_a_configuration_error_stops_up_instead_of_restarting(tmp_p
 
 
 def test_a_worker_sigkilled_mid_epoch_under_up_takes_its_job_back_and_finishes_it(tmp_path) -> None:
-    """#29 item 3 under `up` itself: the worker SIGKILLed inside an epoch is restarted by the
+    """The fast takeover under `up` itself: the worker SIGKILLed inside an epoch is restarted by the
     supervisor, and the fresh process, seeing its predecessor's pid gone, requeues the job at once
     (its reason says the worker process died; a 120 s lease rules out the lease's sweep); the job
     resumes after its last recorded epoch and succeeds, each epoch recorded once. How fast is
