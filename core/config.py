@@ -24,13 +24,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 def default_api_workers() -> int:
     """API processes when TORCHYARD_API_WORKERS is unset: half this process's cores, at least 1, at
-    most 4. One uvicorn process tops out near 2,000 /predict requests/s (~0.45 ms of API CPU each),
-    so a GPU host needs several; but the cores are shared with what the API feeds: each worker's
-    decode threads and device feeder, Redis (every /predict crosses it twice), and the training
-    jobs' data loading, hence half. 1 on a 2-core machine, where `up` runs Redis and a worker too.
-    4 at most: past ~8,000 requests/s the single Redis and the workers' decoding are the limit, so
-    more processes only add memory (~80 MB each; an API process imports no torch) and idle
-    connections; raise it after measuring (docs/operations.md)."""
+    most 4. One uvicorn process serves far fewer /predict requests than a GPU classifies (its CPU
+    per request: docs/benchmarks.md, "Settings' defaults"), so a GPU host needs several; but the
+    cores are shared with what the API feeds: each worker's decoding and device feeder, Redis
+    (every /predict crosses it twice), and the training jobs' data loading, hence half. 1 on a
+    2-core machine, where `up` runs Redis and a worker too. 4 at most: past what four processes
+    serve, the single Redis and the workers' decoding are the limit, so more processes only add
+    memory (an API process imports no torch, so a small share) and idle connections; raise it
+    after measuring (docs/operations.md)."""
     try:
         cores = len(os.sched_getaffinity(0))  # the CPUs this process may use (a container's cpuset)
     except AttributeError:  # not Linux
@@ -69,7 +70,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_key: SecretStr | None = Field(default=None, description="When set, a bearer token every endpoint but /healthz needs.")
-    access_log: bool = Field(default=False, description="uvicorn's line per request; costs ~15% of the API's CPU on /predict.")
+    access_log: bool = Field(default=False, description="uvicorn's line per request; a share of the API's CPU on /predict (docs/benchmarks.md).")
     api_workers: int = Field(
         default_factory=default_api_workers, ge=1,
         description="API processes serving one port (uvicorn's supervisor). Unset: half the cores, 1 to 4.",
