@@ -37,8 +37,9 @@ sys.path.insert(0, str(REPO))
 # after the sys.path entry above
 from bench.docs import write_section  # noqa: E402
 from bench.floors import OMP_SETTINGS, forward_floor, make_checkpoint, thread_counts  # noqa: E402
-from bench.harness import load, machine, multipart_request, wait_http  # noqa: E402
+from bench.harness import load, machine, multipart_request  # noqa: E402
 from bench.peers import LITSERVE_CONFIGS, empty_handlers, litserve_sweep  # noqa: E402
+from harness import wait_http  # noqa: E402
 
 MODELS = ("resnet18", "cifar_net")
 MAX_BATCH = 32
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> str:
     from app.embedded_redis import EmbeddedRedis
     from core import keys
     from core.config import Settings
-    from tests.support import Processes, free_port, with_db
+    from harness import Processes, free_port, with_db
 
     work = Path(tempfile.mkdtemp(prefix="torchyard-bench-"))
     (work / "logs").mkdir()
