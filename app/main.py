@@ -23,6 +23,7 @@ from app.api.errors import install_error_handlers, unexpected_error_response
 from app.api.front import FrontGate
 from app.api.routes import aliases, dashboard, datasets, devices, exports, health, jobs, metrics, models, predict
 from app.api.services import Services
+from app.api.serving.direct import DIRECT
 from core.config import Settings, get_settings
 from core.retention import Retention
 
@@ -113,7 +114,7 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
     install_error_handlers(app)
     # Host, Origin, API key, body size, content type and body rate, on the headers, before routing;
     # the metrics outermost: they count every request, the refused ones too.
-    app.edge = metrics.install_metrics(app, FrontGate(app.framework, settings, direct=predict.DIRECT))
+    app.edge = metrics.install_metrics(app, FrontGate(app.framework, settings, direct=DIRECT))
     app.include_router(health.router)
     dashboard.install_dashboard(app)  # `/` and /static: no data in them, so no key needed
     app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_assets()), name="docs-assets")  # nor in these

@@ -1,6 +1,6 @@
 """Is the API's port free, and if not, who holds it: asked before `up` starts anything and before
 `torchyard api` starts serving, so a second `make run` on a port in use says so and exits, instead
-of starting a second Redis and worker and restarting an API that can never bind (issue #28)."""
+of starting a second Redis and worker and restarting an API that can never bind."""
 
 from __future__ import annotations
 

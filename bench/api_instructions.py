@@ -40,9 +40,10 @@ sys.path.insert(0, str(REPO))
 
 from bench.docs import write_section  # noqa: E402 (after the sys.path entry above)
 from bench.floors import make_checkpoint  # noqa: E402
-from bench.harness import kill_group, multipart_request, wait_http  # noqa: E402
+from bench.harness import multipart_request  # noqa: E402
 from bench.peers import EMPTY_APP  # noqa: E402
 from bench.predict import sample_png  # noqa: E402
+from harness import end_group, spawn, wait_http  # noqa: E402
 
 CONCURRENCY = (1, 32)
 MODEL = "cifar_net"
@@ -75,8 +76,8 @@ def closed_loop(port: int, request: bytes, total: int, concurrency: int) -> int:
 
 
 def callgrind(argv: list[str], out: Path, cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no", *argv],
-                            cwd=cwd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    return spawn(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-instr=no", *argv], log, env,
+                 cwd=cwd)
 
 
 def count(proc: subprocess.Popen, out: Path, send: Callable[[], int]) -> tuple[int, int]:
@@ -101,7 +102,7 @@ def measure_torchyard(tree: Path, work: Path, requests: int) -> dict[int, float]
 
     from app.embedded_redis import EmbeddedRedis
     from core import keys
-    from tests.support import Processes, free_port, with_db
+    from harness import Processes, free_port, with_db
 
     data_dir = work / "data"
     job_id, _ = make_checkpoint(data_dir, MODEL)
@@ -128,13 +129,13 @@ def measure_torchyard(tree: Path, work: Path, requests: int) -> dict[int, float]
         return found
     finally:
         if api is not None:
-            kill_group(api)
+            end_group(api)
         procs.stop_all()
         server.stop()
 
 
 def measure_empty(work: Path, requests: int) -> dict[str, float]:
-    from tests.support import free_port
+    from harness import free_port
 
     (work / "predict_empty_app.py").write_text(EMPTY_APP)
     port = free_port()
@@ -161,7 +162,7 @@ def measure_empty(work: Path, requests: int) -> dict[str, float]:
             found[kind] = instructions / sent
         return found
     finally:
-        kill_group(proc)
+        end_group(proc)
 
 
 @contextlib.contextmanager

@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> str:
     from core import keys
     from core.clock import utc_now_iso
     from core.defaults import PREDICT_BATCH_SIZE
-    from tests.support import Processes, free_port, with_db
+    from harness import Processes, free_port, with_db
 
     load_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="torchyard-bench-batch-"))

@@ -3,7 +3,7 @@ set (one loop, a thread pool, the process pool of worker/data/dataset_decode.py)
 
     flock /tmp/torchyard-bench.lock .venv/bin/python bench/decode.py [--jpegs 1200] [--pngs 12000] [--rounds 5]
 
-Generated files, like the issue's photo workload: 500×375 JPEGs (tests/datagen.photo_jpeg:
+Generated files, like the photo workload (bench/photos.py): 500×375 JPEGs (tests/datagen.photo_jpeg:
 quality 85, a smooth random colour field with pixel noise, ~40 KB), one 2000×1500 JPEG, and
 32×32 PNGs of noise, three classes.
 

@@ -36,7 +36,7 @@ from bench.harness import LOCK_HINT, REPO, load_average, machine
 CASES = {"jpeg-224": ("500×375 JPEG → 224×224", 224), "jpeg-32": ("500×375 JPEG → 32×32", 32),
          "png-32": ("32×32 PNG → 32×32", 32)}
 MAX_PIXELS = 40_000_000  # core/config.Settings.max_image_pixels' default
-GPU_HOST_CORES = 16  # the GPU host issue #26 was measured on
+GPU_HOST_CORES = 16  # the GPU host the photo goals were set on (docs/benchmarks.md, "Photos on a GPU host")
 
 
 def image(case: str) -> bytes:
@@ -210,7 +210,7 @@ def report(rows: list[dict[str, Any]], argv: str, cores: int, loads: tuple[float
         at = "; ".join(f"{n} threads at most " + " to ".join(f"{x:.1f}×" for x in sorted(amdahl(f, n) for f in fs))
                        for n in sorted({cores, GPU_HOST_CORES}))
         lines.append(f"- {CASES[r['case']][0]}: {at} one thread's rate")
-    lines += ["", f"({GPU_HOST_CORES} cores: the GPU host of issue #26.) Where that is well under the cores, decoding "
+    lines += ["", f"({GPU_HOST_CORES} cores: the GPU host of the photo goals.) Where that is well under the cores, decoding "
               "in threads leaves cores idle, and only processes (or a decoder that never takes the GIL) use them all."]
     return "\n".join(lines) + "\n"
 

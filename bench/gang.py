@@ -40,7 +40,7 @@ def service(model: str, epochs: int, batch: int) -> dict[str, Any]:
     import httpx
 
     from app.embedded_redis import EmbeddedRedis
-    from tests.support import Processes, free_port, wait_for_job, wait_until
+    from harness import Processes, free_port, wait_for_job, wait_until
 
     root = Path(tempfile.mkdtemp(prefix="torchyard-bench-gang-"))
     server = EmbeddedRedis(root / "redis")
@@ -136,7 +136,7 @@ def _rank(rank: int, port: int, model_name: str, batch: int, steps: int, rounds:
 def step_share(model: str, batch: int, steps: int, rounds: int) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from tests.support import free_port
+    from harness import free_port
 
     out = Path(tempfile.mkdtemp(prefix="torchyard-bench-step-")) / "steps.json"
     mp.spawn(_rank, args=(free_port(), model, batch, steps, rounds, str(out)), nprocs=2, join=True)

@@ -1,11 +1,9 @@
-"""What the benchmarks share: the load client, processes started and stopped by group, JSON from a
-fresh process, the machine's description.
+"""What the benchmarks share: the load client, JSON from a fresh process, the machine's description.
 
 The load client is raw asyncio streams writing one prebuilt multipart HTTP/1.1 request over
 keep-alive connections, closed loop: an httpx client costs ~3 ms of CPU per request and would
-distort the figures on 2 cores. Every process a bench starts runs in a session of its own and is
-ended with its whole group (LitServe and uvicorn leave children behind on a plain SIGINT), so
-nothing outlives the bench, even when it fails.
+distort the figures on 2 cores. The processes a bench starts are the harness's (harness/: each in
+a session of its own, ended with its whole group, so nothing outlives the bench, even when it fails).
 """
 
 from __future__ import annotations
@@ -16,14 +14,14 @@ import json
 import os
 import platform
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from harness import REPO
+
 BOUNDARY = "torchyardbenchboundary"
 LOCK_HINT = "flock /tmp/torchyard-bench.lock"  # the command prefix that keeps two benches apart
 
@@ -141,56 +139,7 @@ def load(port: int, request: bytes, concurrency: int, seconds: float, pids: dict
     return result
 
 
-# ----------------------------------------------------------------------------- processes
-def wait_http(port: int, path: str, timeout: float = 90, proc: subprocess.Popen | None = None) -> None:
-    """Until GET `path` answers 200; a `proc` that exits meanwhile ends the wait at once."""
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server on :{port} exited with {proc.returncode} before answering {path}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}{path}", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"nothing answered 200 on :{port}{path}")
-
-
-def spawn(argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`python argv...` from the repository's root, in a session (and process group) of its own."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(log_path, "ab")  # noqa: SIM115 - the server's stdout for its life
-    try:
-        return subprocess.Popen([sys.executable, *argv], cwd=REPO, env={**os.environ, **(env or {})}, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    finally:
-        log.close()  # the child holds its own descriptor
-
-
-def kill_group(proc: subprocess.Popen, grace: float = 15) -> None:
-    """SIGTERM to the process's whole group, SIGKILL after `grace` seconds."""
-    if proc.poll() is not None:
-        _kill_group_now(proc.pid)  # the leader is gone; its children may not be
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(grace)
-    except (subprocess.TimeoutExpired, ProcessLookupError):
-        pass
-    _kill_group_now(proc.pid)
-    proc.wait()
-
-
-def _kill_group_now(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
+# ----------------------------------------------------------------------------- fresh processes
 def fresh_json(argv: list[str], env: dict[str, str] | None = None, timeout: float = 600) -> Any:
     """Run `python argv...` in a fresh process with exactly `env` (default: ours); the JSON on the
     last line of its output."""

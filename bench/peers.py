@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,8 @@ from typing import Any
 if __package__ in (None, ""):  # `python bench/peers.py`: the repository's root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.harness import kill_group, load, multipart_request, spawn, wait_http
+from bench.harness import load, multipart_request
+from harness import end_group, spawn, wait_http
 
 # LitServe's documented knobs for throughput: fast_queue (ZeroMQ between its API and inference
 # processes), workers per device, and batching; every combination is measured, the best kept.
@@ -47,13 +49,14 @@ def litserve_sweep(checkpoint: Path, payload: bytes, concurrencies: list[int], s
     """Each configuration as its own server, one alive at a time, measured at every concurrency;
     per concurrency the best cell with its configuration ("config"). A configuration that fails to
     serve is reported on stderr and left out."""
-    from tests.support import free_port
+    from harness import free_port
 
     best: dict[int, dict[str, Any]] = {}
     for config in configs or LITSERVE_CONFIGS:
         port = free_port()
-        proc = spawn(["-m", "bench.litserve_app", str(port), json.dumps(config)], logs / f"litserve{label}.log",
-                     {"BENCH_CHECKPOINT": str(checkpoint), "BENCH_DEVICE": device, "BENCH_PRECISION": precision})
+        proc = spawn([sys.executable, "-m", "bench.litserve_app", str(port), json.dumps(config)],
+                     logs / f"litserve{label}.log", {**os.environ, "BENCH_CHECKPOINT": str(checkpoint),
+                                                     "BENCH_DEVICE": device, "BENCH_PRECISION": precision})
         try:
             try:
                 wait_http(port, "/health", timeout=180, proc=proc)
@@ -71,7 +74,7 @@ def litserve_sweep(checkpoint: Path, payload: bytes, concurrencies: list[int], s
                 if better(cell, best.get(c), c):
                     best[c] = cell
         finally:
-            kill_group(proc)
+            end_group(proc)
     return best
 
 
@@ -112,11 +115,12 @@ def empty_handlers(work: Path, payload: bytes, api_workers: int, concurrency: in
 
     import httpx
 
-    from tests.support import free_port
+    from harness import free_port
 
     (work / "predict_empty_app.py").write_text(EMPTY_APP)  # an import string for uvicorn's workers
     port = free_port()
-    proc = spawn(["-m", "bench.peers", "empty", str(port), str(api_workers), str(work)], work / "logs" / "empty-fastapi.log")
+    proc = spawn([sys.executable, "-m", "bench.peers", "empty", str(port), str(api_workers), str(work)],
+                 work / "logs" / "empty-fastapi.log")
     empty: dict[str, dict[str, float]] = {}
     try:
         for _ in range(300):
@@ -130,7 +134,7 @@ def empty_handlers(work: Path, payload: bytes, api_workers: int, concurrency: in
             empty[kind] = load(port, request, concurrency, seconds, {"api": proc.pid})
             print(f"empty {kind}: {empty[kind]}", file=sys.stderr)
     finally:
-        kill_group(proc)
+        end_group(proc)
     return empty
 
 

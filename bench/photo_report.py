@@ -1,5 +1,6 @@
-"""bench/photos.py's figures as one table, the goals of issue #26 checked against them, and its
-sections of docs/benchmarks.md.
+"""bench/photos.py's figures as one table, the photo goals (/predict near its decode and forward
+ceilings, a first job's cost outside its epochs small, ahead of LitServe) checked against them, and
+its sections of docs/benchmarks.md.
 
 Every ratio reads "how good, 1 = equal": the floor's time ÷ ours for times and ours ÷ the
 ceiling for rates (≤ 1 against a floor), LitServe's time ÷ ours for times and ours ÷ LitServe's
@@ -17,8 +18,8 @@ from bench.harness import LOCK_HINT, machine
 
 SECTIONS = {"cuda": ("photos-gpu", "Photos on a GPU host"), "cpu": ("photos-cpu", "Photos on this CPU host")}
 
-# The last GPU figures, from issue #26 (measured by hand before bench/photos.py existed).
-GPU_BEFORE = """Before (the figures issue #26 was filed with: an NVIDIA H200 and 16 cores, landed e4ee7f5,
+# The GPU figures the photo goals were set against (measured by hand before bench/photos.py existed).
+GPU_BEFORE = """Before (the figures the photo goals were set against: an NVIDIA H200 and 16 cores, landed e4ee7f5,
 `TORCHYARD_API_WORKERS` default = 4, one GPU worker; a 500×375 JPEG of 38 KB; resnet18 trained at
 `image_size` 224; measured by hand, not by bench/photos.py):
 
@@ -213,7 +214,7 @@ def build(results: dict[str, Any], argv: str) -> Report:
                    "disturbed, this host's speed moving from one second to the next, not that the service beat it.")
     goal_lines = [f"- {'met' if g['met'] else 'NOT met' if g['met'] is False else 'not measured'}: {g['goal']}: "
                   f"{g['value']}" for g in goals]
-    text = "\n".join(head + table + ["", legend, "", "Goals of issue #26 on this host:", ""] + goal_lines
+    text = "\n".join(head + table + ["", legend, "", "The photo goals on this host:", ""] + goal_lines
                      + ["", "Floors, ceilings and the jobs in detail:", ""] + _details(results)) + "\n"
     return Report(text, rows, goals)
 

@@ -45,7 +45,8 @@ from bench.harness import cpu_has_bf16, load, load_average, multipart_request
 from bench.peers import LITSERVE_CONFIGS, litserve_missing, litserve_sweep
 from bench.photo_data import sample_jpeg as make_sample
 from bench.photo_data import write_dataset_zip
-from bench.stack import JOB_TIMEOUT_S, UpStack
+from bench.stack import JOB_TIMEOUT_S
+from harness import UpStack
 
 BATCHES = [1, 32]
 

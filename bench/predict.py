@@ -37,8 +37,9 @@ sys.path.insert(0, str(REPO))
 # after the sys.path entry above
 from bench.docs import write_section  # noqa: E402
 from bench.floors import OMP_SETTINGS, forward_floor, make_checkpoint, thread_counts  # noqa: E402
-from bench.harness import load, machine, multipart_request, wait_http  # noqa: E402
+from bench.harness import load, machine, multipart_request  # noqa: E402
 from bench.peers import LITSERVE_CONFIGS, empty_handlers, litserve_sweep  # noqa: E402
+from harness import wait_http  # noqa: E402
 
 MODELS = ("resnet18", "cifar_net")
 MAX_BATCH = 32
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> str:
     from app.embedded_redis import EmbeddedRedis
     from core import keys
     from core.config import Settings
-    from tests.support import Processes, free_port, with_db
+    from harness import Processes, free_port, with_db
 
     work = Path(tempfile.mkdtemp(prefix="torchyard-bench-"))
     (work / "logs").mkdir()
@@ -266,7 +267,7 @@ LPOP now pipelined): worker CPU per cifar_net image at c=32 0.29-0.31 → 0.22-0
 pairs; gen-2 garbage collections over the whole
 imported world (`gc.freeze()` once started) stalled every request in flight ~200 ms: c=32 p99
 214 → 19 ms; FastAPI's multipart parsing (~250 µs a request; a lean reader in
-app/api/multipart.py); uvicorn's access log (~15% of the API's CPU; `TORCHYARD_ACCESS_LOG`, off by
+app/api/serving/multipart.py); uvicorn's access log (~15% of the API's CPU; `TORCHYARD_ACCESS_LOG`, off by
 default); the API's parse and re-serialisation of the worker's JSON (passed through); FastAPI's
 routing, dependency and exception layers for /predict (the front gate serves it directly: API CPU
 per cifar_net request 0.40 → 0.32 ms); a BLPOP of its own per request (one reply inbox per API

@@ -1,4 +1,4 @@
-"""Takeover after a crash under `torchyard up` (#29 item 3): SIGKILL the worker mid-epoch and time
+"""Takeover after a crash under `torchyard up`: SIGKILL the worker mid-epoch and time
 how long its job takes to run again on the worker `up` restarts.
 
     flock /tmp/torchyard-bench.lock .venv/bin/python bench/takeover.py [--rounds 3] [--no-write-docs]
@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,7 +50,7 @@ def _worker(up_pid: int):
 
 
 def one_round(client, up_pid: int, healthy_after_s: float) -> dict[str, Any]:
-    from tests.support import wait_for_job, wait_until
+    from harness import wait_for_job, wait_until
 
     worker = wait_until(lambda: _worker(up_pid), timeout=120, what="the worker process")
     job_id = client.post("/jobs", json=JOB).json()["id"]
@@ -89,38 +87,22 @@ def one_round(client, up_pid: int, healthy_after_s: float) -> dict[str, Any]:
 
 
 def main() -> None:
-    import httpx
-
     from app.supervisor import HEALTHY_AFTER_S
-    from tests.support import free_port, wait_until
+    from harness import UpStack
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-write-docs", action="store_true")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="torchyard-bench-takeover-"))
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
-    env.update(TORCHYARD_DATA_DIR=str(root / "var"), TORCHYARD_PORT=str(port), TORCHYARD_DEVICES="cpu",
-               PYTHONUNBUFFERED="1")
-    log = open(root / "up.log", "wb")  # noqa: SIM115 - up's output for its whole life
-    up = subprocess.Popen([sys.executable, "-m", "app.cli", "up"], cwd=REPO, env=env, stdout=log,
-                          stderr=subprocess.STDOUT, start_new_session=True)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
     load = load_average()
     rounds = []
-    try:
-        wait_until(lambda: client.get("/readyz").status_code == 200, timeout=300, what="the stack")
+    with UpStack(root / "var", root / "up.log", {"TORCHYARD_DEVICES": "cpu"}, start_timeout=300,
+                 client_timeout=30) as stack:
+        assert stack.proc is not None
         for _ in range(args.rounds):
-            rounds.append(one_round(client, up.pid, HEALTHY_AFTER_S))
+            rounds.append(one_round(stack.client, stack.proc.pid, HEALTHY_AFTER_S))
             print(json.dumps(rounds[-1]), flush=True)
-    finally:
-        client.close()
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
     load_after = load_average()
     rows = "\n".join(
         f"| {i} | {r.get('worker_restarted_s', '–')} | **{r.get('running_again_s', '–')}** | "

@@ -1,6 +1,6 @@
 """Admission: will a training job fit in the memory of a worker that may take it? Decided at submit.
 
-A valid spec can still need more memory than any worker has (issue #13: `resnet18` on `fake` at
+A valid spec can still need more memory than any worker has (`resnet18` on `fake` at
 image_size 512 builds tens of GB of float temporaries; `cifar10` at 512 is 39 GB of uint8 plus a
 copy); the job would then be killed by the kernel hours into the queue, or take Redis with it.
 So the API estimates what the job holds resident on a worker, the way worker/data/datasets.py and

@@ -6,7 +6,7 @@ alias's: the target is a succeeded training job *at the moment of the move* (a d
 change of the job in between aborts and retries it), and the move, the name → job index that
 /predict reads and the history entry are written together, so they never disagree. /predict
 resolves a name and queues the request in one script that checks the name still points at the
-job it resolved (app/api/predictions.py), so a request is answered by exactly one job.
+job it resolved (app/api/serving/transport.py), so a request is answered by exactly one job.
 
 Promotion (`AliasService.promote`) preloads before it moves: the new target is loaded on every live
 device that holds the current target resident (core/preloading.py, bounded wait), so the first
@@ -61,7 +61,7 @@ class Caller:
 def job_is_aliased(client: redis.Redis, job_id: str) -> list[str]:
     """The aliases that point at `job_id` (sorted; empty when none): such a job must not be deleted.
 
-    For the job-deletion protections (#13): a delete that WATCHes `keys.ALIASES` in its transaction
+    For the job-deletion protections (core/retention.py): a delete that WATCHes `keys.ALIASES` in its transaction
     is aborted by any move that happens between this check and the delete."""
     return sorted(name for name, target in client.hgetall(keys.ALIASES).items() if target == job_id)
 

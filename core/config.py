@@ -24,13 +24,14 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 def default_api_workers() -> int:
     """API processes when TORCHYARD_API_WORKERS is unset: half this process's cores, at least 1, at
-    most 4. One uvicorn process tops out near 2,000 /predict requests/s (~0.45 ms of API CPU each),
-    so a GPU host needs several; but the cores are shared with what the API feeds: each worker's
-    decode threads and device feeder, Redis (every /predict crosses it twice), and the training
-    jobs' data loading, hence half. 1 on a 2-core machine, where `up` runs Redis and a worker too.
-    4 at most: past ~8,000 requests/s the single Redis and the workers' decoding are the limit, so
-    more processes only add memory (~80 MB each; an API process imports no torch) and idle
-    connections; raise it after measuring (docs/operations.md)."""
+    most 4. One uvicorn process serves far fewer /predict requests than a GPU classifies (its CPU
+    per request: docs/benchmarks.md, "Settings' defaults"), so a GPU host needs several; but the
+    cores are shared with what the API feeds: each worker's decoding and device feeder, Redis
+    (every /predict crosses it twice), and the training jobs' data loading, hence half. 1 on a
+    2-core machine, where `up` runs Redis and a worker too. 4 at most: past what four processes
+    serve, the single Redis and the workers' decoding are the limit, so more processes only add
+    memory (an API process imports no torch, so a small share) and idle connections; raise it
+    after measuring (docs/operations.md)."""
     try:
         cores = len(os.sched_getaffinity(0))  # the CPUs this process may use (a container's cpuset)
     except AttributeError:  # not Linux
@@ -69,7 +70,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     api_key: SecretStr | None = Field(default=None, description="When set, a bearer token every endpoint but /healthz needs.")
-    access_log: bool = Field(default=False, description="uvicorn's line per request; costs ~15% of the API's CPU on /predict.")
+    access_log: bool = Field(default=False, description="uvicorn's line per request; a share of the API's CPU on /predict (docs/benchmarks.md).")
     api_workers: int = Field(
         default_factory=default_api_workers, ge=1,
         description="API processes serving one port (uvicorn's supervisor). Unset: half the cores, 1 to 4.",
@@ -161,7 +162,7 @@ class Settings(BaseSettings):
     )
     max_json_bytes: int = Field(default=1024**2, ge=1, description="Largest application/json request body.")
 
-    # --- aliases and exports (#16) ---------------------------------------------------------
+    # --- aliases and exports ---------------------------------------------------------------
     alias_warm_timeout_s: float = Field(
         default=30.0, gt=0, le=600,
         description="How long a move waits for the new target to load where the old one is resident.",
@@ -170,7 +171,7 @@ class Settings(BaseSettings):
         default=2, ge=1, le=60, description="Retry-After of a 202 from GET /jobs/{id}/export while it builds.",
     )
 
-    # --- reliability (#12): dispatch reconciliation, device faults ---------------------------
+    # --- reliability: dispatch reconciliation, device faults ---------------------------------
     dispatch_grace_s: float | None = Field(
         default=None, gt=0,
         description="A queued job not claimed this long after its message was sent is looked for; if its "
@@ -183,7 +184,7 @@ class Settings(BaseSettings):
                     "sticky CUDA error).",
     )
 
-    # --- data-parallel jobs (#27): docs/training.md, docs/deployment.md "Ports" ----------------
+    # --- data-parallel jobs: docs/training.md, docs/deployment.md "Ports" ----------------------
     advertise_address: str | None = Field(
         default=None,
         description="The address the other ranks of a gang reach this worker at: its rendezvous store when it "
@@ -200,7 +201,7 @@ class Settings(BaseSettings):
                     "(torch.distributed's process-group timeout). Unset: lease_ttl_s.",
     )
 
-    # --- hostile clients and resource exhaustion (#13; docs/security.md) -----------------------
+    # --- hostile clients and resource exhaustion (docs/security.md) ----------------------------
     allow_unauthenticated: bool = Field(
         default=False,
         description="Serve without TORCHYARD_API_KEY on a non-loopback address. Off: `api` and `up` refuse to start.",

@@ -55,7 +55,7 @@ DEVICES_INDEX = f"{PREFIX}devices"
 DATASETS_INDEX = f"{PREFIX}datasets"
 ALIASES = f"{PREFIX}aliases"
 
-# --- recovery (#12): the dispatch outbox, files to settle, counters, the sweeper's lock ----------
+# --- recovery: the dispatch outbox, files to settle, counters, the sweeper's lock ---------------
 DISPATCH_DUE = f"{PREFIX}dispatch"
 FILES_TO_SETTLE = f"{PREFIX}settle"
 RECOVERY_STATS = f"{PREFIX}recovery"
@@ -107,7 +107,7 @@ def kombu_queue_lists(queue: str) -> list[str]:
     return [queue + suffix for suffix in KOMBU_PRIORITY_SUFFIXES]
 
 
-# --- aliases and exports (#16) ---------------------------------------------------------------
+# --- aliases and exports ---------------------------------------------------------------------
 def alias(name: str) -> str:
     return f"{PREFIX}alias:{name}"
 
@@ -124,7 +124,7 @@ def export_lock(checkpoint_sha256: str, fmt: str) -> str:
     return f"{PREFIX}export:{checkpoint_sha256}:{fmt}:lock"
 
 
-# --- retention (#13, core/retention.py) --------------------------------------------------------
+# --- retention (core/retention.py) -------------------------------------------------------------
 RETENTION_LOCK = f"{PREFIX}retention:lock"
 
 
@@ -138,7 +138,7 @@ def job_dependents(job_id: str) -> str:
     return f"{PREFIX}job:{job_id}:dependents"
 
 
-# --- data-parallel gangs (#27, core/gangs/) ----------------------------------------------------
+# --- data-parallel gangs (core/gangs/) -----------------------------------------------------------
 GANGS_WAITING = f"{PREFIX}gangs:waiting"
 GANGS_RESERVED = f"{PREFIX}gangs:reserved"
 GANGS_LOCK = f"{PREFIX}gangs:lock"

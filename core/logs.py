@@ -3,8 +3,8 @@
 Every process (`up`, `api` and each of its children, `worker`, the client commands) calls
 `configure_logging` once when it starts. A Redis outage is expected (a restart of the embedded
 Redis, a `docker compose restart redis`): the components that ride it out retry every fraction
-of a second, and each retry used to log a full traceback (14 of them for a 4 s outage, issue
-#28). Here:
+of a second, and each retry used to log a full traceback, one for every retry of the outage.
+Here:
 
 - `RedisOutageLog` is what a component that watches Redis uses to say, once, that Redis went
   away and, once, that it answers again (the worker's heartbeat, the API's reply listener, a

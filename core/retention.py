@@ -9,7 +9,7 @@ stay; the first that says why answers 409 with that reason. The protections toda
    stays until that job has finished.
 
 Other modules add theirs with `JobDeletion.protect` (a function of the job that returns a reason
-or None): #16 adds "an alias points at this job", for instance. The record, its events and its
+or None): the aliases add "an alias points at this job", for instance. The record, its events and its
 index entries go in one Redis transaction (JobStore.delete); then its files (the job's directory
 under checkpoints/: model.pt, resume.pt, an export's file, a predict job's results.jsonl). A crash
 between the two leaves an orphan directory, which the cleanup removes. Then the jobs that exist

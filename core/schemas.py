@@ -292,7 +292,7 @@ class Health(BaseModel):
     status: str
 
 
-# --- aliases and exports (#16) ---------------------------------------------------------------
+# --- aliases and exports ---------------------------------------------------------------------
 class AliasSet(BaseModel):
     """PUT /aliases/{name}: point the alias at a succeeded training job (create or move it)."""
 

@@ -13,7 +13,7 @@ API waits on a one-off reply list. Both directions are encoded and decoded only 
   worker whose wall clock is off neither drops live requests nor holds batches for the skew.
 - Reply, worker → `request.reply_to` (RPUSH, short TTL): ``"<request_id> <status> <json body>"``.
   `reply_to` is the inbox of the API process that sent it, one list per process read by one
-  listener there (app/api/reply_inbox.py), so a request costs the API one Redis call, not a
+  listener there (app/api/serving/replies.py), so a request costs the API one Redis call, not a
   BLPOP of its own, and the worker answers a whole batch's requests to one API in one RPUSH. For
   200 the body is the `PredictResponse` itself, so the API passes it through without re-encoding;
   any other status carries `{"detail": ...}` and maps to the error of the same HTTP status.

@@ -45,6 +45,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+# The repository's root, for the stack harness (harness/) and the product it starts; chaos_soak is
+# found beside this file.
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
+
 from chaos_soak import log
 from chaos_soak.faults import FAULT_KINDS
 from chaos_soak.soak import Soak

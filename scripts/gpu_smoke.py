@@ -21,7 +21,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,9 @@ import httpx
 import psutil
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # the stack harness (harness/) and the product, from this checkout
+
+from harness import cli, free_port, kill_group, spawn, without_settings  # noqa: E402
 
 
 class SmokeFailure(AssertionError):
@@ -42,12 +44,6 @@ def check(condition: object, message: str) -> None:
     if not condition:
         raise SmokeFailure(message)
     print(f"  ok  {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_for(predicate, timeout: float, what: str):
@@ -120,15 +116,13 @@ def run(args: argparse.Namespace) -> int:
     gpu_mode = has_gpu  # --allow-cpu only allows the CPU where there is no GPU; it never skips one
     data_dir = Path(args.data_dir or tempfile.mkdtemp(prefix="torchyard-gpu-smoke-"))
     port = args.port or free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}  # embedded Redis, our dir
+    env = without_settings()  # embedded Redis, our dir
     env.update(TORCHYARD_DATA_DIR=str(data_dir), TORCHYARD_PORT=str(port), TORCHYARD_HOST="127.0.0.1",
                TORCHYARD_DEVICES=args.devices, PYTHONUNBUFFERED="1")
     log_path = data_dir / "up.log"
     data_dir.mkdir(parents=True, exist_ok=True)
     print(f"torchyard up: data dir {data_dir}, API on 127.0.0.1:{port}, log {log_path}", flush=True)
-    log = open(log_path, "ab")  # noqa: SIM115 - the stack's stdout for its whole life
-    up = subprocess.Popen([sys.executable, "-m", "app.cli", "up"], cwd=REPO, env=env, stdout=log,
-                          stderr=subprocess.STDOUT, start_new_session=True)
+    up = spawn(cli("up"), log_path, env)
     started: dict[int, psutil.Process] = {}
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
     summary: dict = {"mode": "cuda" if gpu_mode else "cpu", "jobs": []}
@@ -228,11 +222,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             code = up.wait(args.stop_timeout)
         except subprocess.TimeoutExpired:
-            up.kill()
+            kill_group(up.pid)
             up.wait()
             raise SmokeFailure("torchyard up did not stop within the timeout after SIGTERM") from None
-        finally:
-            log.close()
         left = [p for p in started.values() if _running(p)]
         for proc in left:
             proc.kill()
@@ -277,5 +269,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
     sys.exit(main())

@@ -69,6 +69,7 @@ def main() -> None:
     repo, size = args.repo, args.mib * MiB
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from app.embedded_redis import EmbeddedRedis, redis_server_binary
+    from harness import cli, spawn, stop
 
     work = Path(tempfile.mkdtemp(prefix="torchyard-measure-"))
     server = EmbeddedRedis(work / "redis")
@@ -94,9 +95,7 @@ def main() -> None:
     if args.asyncio:
         here = Path(__file__).resolve().parent.parent
         api_env["PYTHONPATH"] = os.pathsep.join([str(here / "tests" / "no_uvloop"), env.get("PYTHONPATH", "")])
-    logs = open(work / "processes.log", "ab")  # noqa: SIM115 - the children's output, for their life
-    procs = [subprocess.Popen([sys.executable, "-m", "app.cli", *command], cwd=repo, env=process_env, stdout=logs,
-                              stderr=subprocess.STDOUT, start_new_session=True)
+    procs = [spawn(cli(*command), work / "processes.log", process_env, cwd=Path(repo))
              for command, process_env in ((["worker", "--device", "cpu"], env), (["api"], api_env))]
     worker, api = procs
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300)
@@ -138,8 +137,7 @@ def main() -> None:
     finally:
         os.kill(worker.pid, signal.SIGCONT)
         for proc in procs:
-            proc.terminate()
-            proc.wait(30)
+            stop(proc, grace=30)
         client.close()
         if args.tcp:
             tcp.terminate()

@@ -88,7 +88,7 @@ def png(array: np.ndarray) -> bytes:
 
 
 def photo_jpeg(width: int = 500, height: int = 375, seed: int = 0, quality: int = 85) -> bytes:
-    """A photo-like JPEG (the issue's 500×375 at ~40 KB): a random colour field smoothed over ~25
+    """A photo-like JPEG (the photo workload's 500×375 at ~40 KB): a random colour field smoothed over ~25
     pixels, plus pixel noise, so the file has both the broad areas and the fine grain of a photo."""
     rng = np.random.default_rng(seed)
     coarse = rng.integers(0, 256, (height // 25 + 2, width // 25 + 2, 3), dtype=np.uint8)

@@ -1,37 +1,31 @@
-"""Real processes for tests: Redis (the configured one or an embedded server), workers, the API."""
+"""What the tests share besides the harness: probes of sockets and Redis, the API of a test's own, two
+"hosts" on one Redis, a job's event stream as a client reads it, small learnable inputs.
+
+The processes themselves (launched in a group of their own, waited for, stopped) are the
+harness's (harness/, shared with bench/ and scripts/); its names the tests use are re-exported here.
+"""
 
 from __future__ import annotations
 
 import io
-import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import urlparse, urlunparse
 
 import httpx
 import redis
 
-REPO = Path(__file__).resolve().parent.parent
+from harness import REPO as REPO
+from harness import Processes as Processes
+from harness import free_port as free_port
+from harness import wait_for_job as wait_for_job
+from harness import wait_until as wait_until
+from harness import with_db as with_db
+
 TEST_DB = 13  # a dedicated database; the tests flush this one and nothing else
-
-
-def with_db(url: str, db: int) -> str:
-    parsed = urlparse(url)
-    if parsed.scheme == "unix":
-        return f"unix://{parsed.path}?db={db}"
-    return urlunparse(parsed._replace(path=f"/{db}"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def connects(host: str, port: int) -> bool:
@@ -44,20 +38,6 @@ def connects(host: str, port: int) -> bool:
         except OSError:
             return False
         return True
-
-
-def wait_until(predicate, timeout: float = 30.0, interval: float = 0.1, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < deadline:
-        try:
-            last = predicate()
-            if last:
-                return last
-        except Exception as exc:
-            last = exc
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
 
 
 def read_until_closed(sock: socket.socket, timeout: float = 10.0) -> bytes:
@@ -78,76 +58,12 @@ def flush(url: str) -> None:
     client.close()
 
 
-class Processes:
-    """Starts torchyard processes with a shared environment and stops them all at the end."""
-
-    def __init__(self, redis_url: str, data_dir: Path, logs: Path, **env: str) -> None:
-        self.env = {**os.environ, "TORCHYARD_REDIS_URL": redis_url, "TORCHYARD_DATA_DIR": str(data_dir),
-                    "PYTHONUNBUFFERED": "1", "TORCHYARD_HEARTBEAT_INTERVAL_S": "0.5",
-                    "TORCHYARD_HEARTBEAT_TTL_S": "3",
-                    # One API process unless a test asks for more: the per-process connection caps
-                    # the security tests count on must not depend on the machine's cores.
-                    "TORCHYARD_API_WORKERS": "1", **env}
-        self.env.pop("TORCHYARD_API_KEY", None)
-        self.env.update(env)
-        self.logs = logs
-        logs.mkdir(parents=True, exist_ok=True)
-        self.procs: list[subprocess.Popen] = []
-
-    def spawn(self, name: str, *args: str, **env: str) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 - the process's stdout for its life
-        proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], cwd=REPO, env={**self.env, **env},
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        proc.log_path = self.logs / f"{name}.log"  # type: ignore[attr-defined]
-        self.procs.append(proc)
-        return proc
-
-    def worker(self, device: str = "cpu", name: str | None = None, **env: str) -> subprocess.Popen:
-        return self.spawn(name or f"worker-{device}", "worker", "--device", device, **env)
-
-    def api(self, port: int, **env: str) -> subprocess.Popen:
-        return self.spawn("api", "api", TORCHYARD_PORT=str(port), **env)
-
-    def ready_api(self, **env: str) -> str:
-        """An API process on a free port, answering /healthz; returns its base URL."""
-        port = free_port()
-        self.api(port, **env)
-        base = f"http://127.0.0.1:{port}"
-        wait_until(lambda: httpx.get(f"{base}/healthz").status_code == 200, timeout=60, what="the API")
-        return base
-
-    def stop(self, proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        if proc.poll() is None:
-            proc.send_signal(sig)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        return proc.returncode
-
-    def stop_all(self) -> None:
-        for proc in reversed(self.procs):
-            self.stop(proc)
-
-    def log(self, proc: subprocess.Popen) -> str:
-        return Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
-
-
 def png_bytes(array) -> bytes:
     from PIL import Image
 
     buffer = io.BytesIO()
     Image.fromarray(array).save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-def wait_for_job(client: httpx.Client, job_id: str, statuses: set[str], timeout: float = 120.0) -> dict:
-    def done():
-        job = client.get(f"/jobs/{job_id}").json()
-        return job if job["status"] in statuses else None
-
-    return wait_until(done, timeout=timeout, interval=0.2, what=f"job {job_id} to reach {statuses}")
 
 
 @contextmanager

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-OURS = ("app", "client", "core", "models", "worker")
+OURS = ("app", "client", "core", "models", "worker", "harness")
 # What each package may import of ours, besides itself.
 MAY_IMPORT = {
     "models": set(),
@@ -19,6 +19,7 @@ MAY_IMPORT = {
     "client": {"core.schemas", "core.defaults", "core.kinds"},  # core.kinds: its face only (below)
     "worker": {"core", "models"},
     "app": {"core", "models"},
+    "harness": {"app", "core", "models"},  # the stack's processes for tests/, bench/, scripts/: no product module imports it
 }
 # Libraries a package must not import itself: the domain knows no web framework and no device, and
 # the API's and the client's processes never load torch (models/registry.py imports none either).
@@ -26,6 +27,7 @@ MUST_NOT_IMPORT = {
     "core": {"fastapi", "starlette", "uvicorn", "torch", "torchvision"},
     "client": {"fastapi", "starlette", "uvicorn", "torch", "torchvision"},
     "app": {"torch", "torchvision"},
+    "harness": {"tests", "bench", "scripts"},  # they import it, never the other way
 }
 
 

@@ -3,7 +3,7 @@ body byte is read; then the body it is allowed is counted and timed as it stream
 
 Why a pure-ASGI layer and not FastAPI dependencies: FastAPI reads (and parses, and spools to
 disk) a request's body before it runs a route's dependencies, so a key checked in a dependency
-is checked after a 300 MiB body has been received (issue #13: measured). Here, in order:
+is checked only once the whole body, however large, has been received. Here, in order:
 
 1. Host (400): only localhost names, the bind address and TORCHYARD_ALLOWED_HOSTS are served
    ('*' there: any), on every bind, so a web page cannot reach the server through DNS rebinding.

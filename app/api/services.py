@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio as aioredis
 
-from app.api.predictions import PredictionClient
+from app.api.serving.engine import PredictionClient
 from core.aliases import AliasService, AliasStore, job_is_aliased
 from core.config import Settings
 from core.datasets import DatasetCatalog
@@ -73,7 +73,7 @@ class Services:
 
 
 def _aliased_refusal(client: redis.Redis, job: Job) -> str | None:
-    """The deletion protection of aliases (#16): a job an alias points at stays until it moves."""
+    """The deletion protection of aliases: a job an alias points at stays until it moves."""
     names = job_is_aliased(client, job.id)
     if not names:
         return None
@@ -82,7 +82,7 @@ def _aliased_refusal(client: redis.Redis, job: Job) -> str | None:
 
 
 def _dependent_refusal(jobs: JobStore, job: Job) -> str | None:
-    """The deletion protection of lineage (#15): a queued or running job (an init_from child, an
+    """The deletion protection of lineage: a queued or running job (an init_from child, an
     evaluation) still reads this job's checkpoint."""
     child = active_dependent(jobs, job.id)
     if child is None:

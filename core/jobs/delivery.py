@@ -146,7 +146,7 @@ class DeliverySide(JobStoreBase):
         if not self._fenced_write(keys=[keys.job(job_id), keys.job_events(job_id)], args=args):
             raise NotOwner(f"job {job_id}: delivery {token} no longer owns it")
 
-    # --- training outcomes and evaluations (#15): fenced like every write of a delivery ----------
+    # --- training outcomes and evaluations: fenced like every write of a delivery ---------------
     def notice(self, job_id: str, token: str, kind: str, data: dict[str, Any], message: str) -> None:
         """Something the job's user should know while it runs (a smaller batch after running out of
         memory, early stopping): an event of `kind` and the job's `message`."""

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,18 +16,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from app.process import die_with_parent
+from harness import cli, free_port, spawn, stop, without_settings
 
 from . import log
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
 
 
 def ready(client: httpx.Client, both_workers: bool = True, gone: frozenset[int] = frozenset()) -> bool:
@@ -71,8 +60,7 @@ class Stack:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.redis_url = EmbeddedRedis(data_dir / "redis").url
         self.fault_files = {"chaos-a": data_dir / "fault-chaos-a", "chaos-b": data_dir / "fault-chaos-b"}
-        base = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
-        self.env = {**base, "TORCHYARD_DATA_DIR": str(data_dir), "TORCHYARD_HOST": "127.0.0.1",
+        self.env = {**without_settings(), "TORCHYARD_DATA_DIR": str(data_dir), "TORCHYARD_HOST": "127.0.0.1",
                     "TORCHYARD_PORT": str(self.port), "TORCHYARD_DEVICES": "cpu", "PYTHONUNBUFFERED": "1",
                     "TORCHYARD_HEARTBEAT_INTERVAL_S": "0.5", "TORCHYARD_HEARTBEAT_TTL_S": "3",
                     "TORCHYARD_LEASE_TTL_S": str(lease_ttl_s), "TORCHYARD_MAX_ATTEMPTS": "1000",
@@ -82,30 +70,25 @@ class Stack:
         self.worker_b: subprocess.Popen | None = None
         self.frozen: set[int] = set()
         # Every process of the stack is started by this one thread, which lives until `stop`: the
-        # parent-death signal (app/process.die_with_parent) is armed for the *thread* that forks,
-        # so a worker started by a thread that then ended (the fault loop, the soak's supervisor
-        # once the faults stop) would get SIGTERM from the kernel while it starts.
+        # parent-death signal (harness/processes.py, `dies_with_parent`) is armed for the *thread*
+        # that forks, so a worker started by a thread that then ended (the fault loop, the soak's
+        # supervisor once the faults stop) would get SIGTERM from the kernel while it starts.
         self._spawner = ThreadPoolExecutor(1, thread_name_prefix="chaos-spawner")
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
         self._restart = threading.Lock()  # the supervisor, the fault loop and the end of the run restart it
 
     def _spawn(self, argv: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen:
-        def start() -> subprocess.Popen:
-            return subprocess.Popen(argv, cwd=REPO, env=env, stdout=open(self.logs / log_name, "ab"),
-                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent)
-
-        return self._spawner.submit(start).result()
+        return self._spawner.submit(spawn, argv, self.logs / log_name, env, dies_with_parent=True).result()
 
     def start(self) -> None:
         env = {**self.env, "TORCHYARD_NODE_NAME": "chaos-a", "TORCHYARD_DEVICE_FAULT_FILE": str(self.fault_files["chaos-a"])}
-        self.up = self._spawn([sys.executable, "-m", "app.cli", "up"], env, "up.log")
+        self.up = self._spawn(cli("up"), env, "up.log")
 
     def start_worker_b(self) -> None:
         env = {**self.env, "TORCHYARD_NODE_NAME": "chaos-b", "TORCHYARD_REDIS_URL": self.redis_url,
                "TORCHYARD_DEVICE_FAULT_FILE": str(self.fault_files["chaos-b"])}
-        self.worker_b = self._spawn([sys.executable, "-m", "app.cli", "worker", "--device", "cpu"], env,
-                                    "worker-b.log")
+        self.worker_b = self._spawn(cli("worker", "--device", "cpu"), env, "worker-b.log")
 
     def supervise_worker_b(self) -> None:
         """The second host's supervisor, until the stack stops (not when the faults stop: the last
@@ -184,14 +167,9 @@ class Stack:
         self.thaw_all()
         for proc in (self.worker_b, self.up):
             if proc is not None and proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGTERM)  # both at once: `up` stops its own children in order
         for proc in (self.worker_b, self.up):
-            if proc is None:
-                continue
-            try:
-                proc.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            if proc is not None:
+                stop(proc, None, grace=90)
         self._spawner.shutdown()
 

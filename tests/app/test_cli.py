@@ -58,8 +58,8 @@ def test_server_commands_parse_and_refuse_client_options() -> None:
 
 
 def test_the_cli_is_imported_by_nothing() -> None:
-    """The entry point may import every package; no module imports it back (issue #30: app/server.py
-    did, for its log format)."""
+    """The entry point may import every package; no module imports it back (app/server.py once did,
+    for its log format)."""
     def imports_the_cli(path: Path) -> bool:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module in ("app.cli", "app") and \

@@ -1,7 +1,7 @@
 """The HTTP contract states the defaults the code decides: GET /openapi.json's schemas (defaults and
 description texts) read against core/defaults.py's table, and the table against what a bare
-submission resolves to (#28: the schedule's text said onecycle and a predict job's CPU batch 64,
-while jobs ran cosine/constant and 128; #30: one table for all of them). The numbers are read back
+submission resolves to (the schedule's text once said onecycle and a predict job's CPU batch 64,
+while jobs ran cosine/constant and 128; hence one table for all of them). The numbers are read back
 out of the served text, so a description written by hand with another number fails here."""
 
 from __future__ import annotations

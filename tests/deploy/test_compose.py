@@ -141,7 +141,7 @@ def test_api_and_workers_share_redis_and_settings():
     for name, svc in torchyard_services(compose).items():
         env = service_env(svc)
         assert env.get("TORCHYARD_REDIS_URL") == "redis://redis:6379/0", name
-        assert env.get("TORCHYARD_API_KEY", "").startswith("${TORCHYARD_API_KEY:?"), name  # required (#13)
+        assert env.get("TORCHYARD_API_KEY", "").startswith("${TORCHYARD_API_KEY:?"), name  # required: no open API beyond loopback
         assert svc.get("build", {}).get("dockerfile") == "docker/Dockerfile", name
         assert svc.get("image") == compose["services"]["api"]["image"], f"{name}: one image for all"
         depends = svc.get("depends_on") or {}

@@ -1,7 +1,7 @@
-"""`torchyard train` outlives what its job outlives (#28): a real CLI process follows a real job
+"""`torchyard train` outlives what its job outlives: a real CLI process follows a real job
 while the test SIGKILLs the Redis server, then the API; the CLI says once per outage that it
 waits, reconnects, and exits 0 when the job succeeds. The worker's log tells a Redis outage in
-one line when it starts and one when it ends, without a traceback (#28 item 10).
+one line when it starts and one when it ends, without a traceback.
 
 The job waits in its queue while the outages happen (its worker is SIGSTOPped), so the test does
 not depend on how fast this host trains: the follower is what is under test (a job paused by a

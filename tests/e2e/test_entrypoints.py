@@ -17,6 +17,7 @@ import httpx
 import pytest
 import yaml
 
+from harness import spawn, stop
 from tests.support import REPO, free_port, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -70,10 +71,8 @@ def test_compose_api_and_cpu_worker_commands_run_a_job(clean_redis_url: str, tmp
             env = {**base, **image_env, **compose_env, **local}
             assert env["TORCHYARD_REDIS_URL"] == clean_redis_url
             logs[service] = tmp_path / f"{service}.log"
-            with open(logs[service], "wb") as log:
-                # cwd outside the repository, like the image's WORKDIR: the installed package runs.
-                procs.append(subprocess.Popen(as_local(command), env=env, cwd=tmp_path, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+            # cwd outside the repository, like the image's WORKDIR: the installed package runs.
+            procs.append(spawn(as_local(command), logs[service], env, cwd=tmp_path))
 
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30,
                               headers={"Authorization": "Bearer entrypoint-test-key"})
@@ -100,11 +99,7 @@ def test_compose_api_and_cpu_worker_commands_run_a_job(clean_redis_url: str, tmp
             if proc.poll() is None:
                 proc.terminate()
         for proc in procs:
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop(proc, None, grace=60)
     # SIGTERM stops both cleanly. uvicorn re-raises the signal after its graceful shutdown, so the
     # API ends "killed by SIGTERM" (exit 143 in a container), after it says it shut down.
     worker, api = procs

@@ -5,16 +5,12 @@ of the same path, with the error's text raised instead, is tests/e2e/test_superv
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.support import REPO, free_port, wait_for_job, wait_until
+from harness import UpStack
+from tests.support import wait_for_job, wait_until
 from worker.device.health import PROVOKE_DEVICE_ASSERT
 
 pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
@@ -22,17 +18,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.gpu]
 
 def test_a_device_side_assert_takes_the_worker_out_of_service_and_a_fresh_one_resumes_the_job(tmp_path: Path) -> None:
     fault = tmp_path / "fault"
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
-    env.update(TORCHYARD_DATA_DIR=str(tmp_path / "data"), TORCHYARD_HOST="127.0.0.1", TORCHYARD_PORT=str(port),
-               TORCHYARD_DEVICES="0", TORCHYARD_DEVICE_FAULT_FILE=str(fault), TORCHYARD_HEARTBEAT_INTERVAL_S="0.5",
-               TORCHYARD_HEARTBEAT_TTL_S="3", PYTHONUNBUFFERED="1")
+    settings = {"TORCHYARD_DEVICES": "0", "TORCHYARD_DEVICE_FAULT_FILE": str(fault),
+                "TORCHYARD_HEARTBEAT_INTERVAL_S": "0.5", "TORCHYARD_HEARTBEAT_TTL_S": "3"}
     log = tmp_path / "up.log"
-    with open(log, "ab") as out:
-        up = subprocess.Popen([sys.executable, "-m", "app.cli", "up"], cwd=REPO, env=env, stdout=out,
-                              stderr=subprocess.STDOUT, start_new_session=True)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
-    try:
+    with UpStack(tmp_path / "data", log, settings, start_timeout=180, client_timeout=30) as stack:  # /readyz: the GPU worker
+        client = stack.client
+
         def gpu_worker() -> dict | None:
             devices = client.get("/devices").json()["devices"]
             return next((d for d in devices if d["type"] == "cuda" and d["status"] in ("idle", "busy")), None)
@@ -55,11 +46,3 @@ def test_a_device_side_assert_takes_the_worker_out_of_service_and_a_fresh_one_re
         assert again["device"] == fresh["id"]
         client.post(f"/jobs/{job['id']}/cancel")
         wait_for_job(client, job["id"], {"cancelled", "succeeded"}, timeout=120)
-    finally:
-        client.close()
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(120)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()

@@ -18,6 +18,7 @@ import httpx
 import psutil
 import pytest
 
+from harness import spawn, stop
 from tests.support import REPO, Processes, flush, free_port, read_until_closed, wait_until, with_db
 
 pytestmark = pytest.mark.e2e
@@ -229,9 +230,8 @@ def test_an_app_served_beyond_loopback_another_way_still_checks_host(redis_base_
            "TORCHYARD_HOST": "0.0.0.0", "TORCHYARD_PORT": str(port), "TORCHYARD_API_KEY": KEY,
            "PYTHONUNBUFFERED": "1"}
     env.pop("TORCHYARD_ALLOWED_HOSTS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--host", "0.0.0.0",
-                             "--port", str(port)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = spawn([sys.executable, "-m", "uvicorn", "app.main:create_app", "--factory", "--host", "0.0.0.0",
+                  "--port", str(port)], tmp_path / "uvicorn.log", env)
     base, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {KEY}"}
     try:
         wait_until(lambda: httpx.get(f"{base}/healthz").status_code == 200, timeout=60, what="the API")
@@ -239,8 +239,7 @@ def test_an_app_served_beyond_loopback_another_way_still_checks_host(redis_base_
         assert rebound.status_code == 400 and "TORCHYARD_ALLOWED_HOSTS" in rebound.json()["detail"], rebound.text
         assert httpx.get(f"{base}/jobs", headers={**auth, "Host": f"localhost:{port}"}).status_code == 200
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop(proc)
 
 
 def _start_api(env: dict[str, str], *args: str) -> subprocess.Popen:

@@ -1,4 +1,4 @@
-"""The small traps of issue #13 through the real stack: a last training batch of one image in a
+"""Small traps of hostile or unlucky input, through the real stack: a last training batch of one image in a
 BatchNorm net, a job whose memory fits no worker, and deleting a trained job with its files."""
 
 from __future__ import annotations

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import time
 
-import httpx
 import psutil
 import pytest
 
+from harness import UpStack, cli, without_settings
 from tests.support import REPO, free_port, job_events, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -25,17 +23,11 @@ def _descendants(pid: int) -> list[psutil.Process]:
 def test_up_starts_stack_and_stops_everything(tmp_path, sig) -> None:
     """With SIGTERM the API runs as two processes: its children are `up`'s grandchildren, and
     must be gone too."""
-    port = free_port()
     api_workers = 2 if sig == signal.SIGTERM else 1
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHYARD_REDIS_URL", "TORCHYARD_API_KEY")}
-    env.update(TORCHYARD_DATA_DIR=str(tmp_path / "var"), TORCHYARD_PORT=str(port), TORCHYARD_DEVICES="auto",
-               TORCHYARD_HEARTBEAT_INTERVAL_S="0.5", PYTHONUNBUFFERED="1", TORCHYARD_API_WORKERS=str(api_workers))
-    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115 - the process's stdout for its whole life
-    up = subprocess.Popen([sys.executable, "-m", "app.cli", "up"], cwd=REPO, env=env, stdout=log,
-                          stderr=subprocess.STDOUT, start_new_session=True)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10)
-    try:
-        wait_until(lambda: client.get("/readyz").status_code == 200, timeout=90, what="the stack to be ready")
+    env = {"TORCHYARD_DEVICES": "auto", "TORCHYARD_HEARTBEAT_INTERVAL_S": "0.5", "TORCHYARD_API_WORKERS": str(api_workers)}
+    with UpStack(tmp_path / "var", tmp_path / "up.log", env, start_timeout=90, client_timeout=10) as stack:
+        up, client, port = stack.proc, stack.client, stack.port
+        assert up is not None
         children = _descendants(up.pid)
         names = " ".join(" ".join(p.cmdline()) for p in children)
         assert "redis-server" in names and " api" in names and "worker --device cpu" in names
@@ -64,10 +56,6 @@ def test_up_starts_stack_and_stops_everything(tmp_path, sig) -> None:
         assert text.count("torchyard is up") == 1
         assert text.index("Application startup complete") < text.index("torchyard is up")
         assert f"--url http://127.0.0.1:{port} devices" in text
-    finally:
-        client.close()
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
 
 
 def test_up_guards_its_data_dir_restarts_redis_and_a_broken_worker(tmp_path) -> None:
@@ -77,21 +65,15 @@ def test_up_guards_its_data_dir_restarts_redis_and_a_broken_worker(tmp_path) -> 
     the job ends `succeeded`, delivered twice, its epochs recorded once."""
     from tests.datagen import shapes_zip
 
-    port = free_port()
     fault = tmp_path / "device-fault"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
-    env.update(TORCHYARD_DATA_DIR=str(tmp_path / "var"), TORCHYARD_PORT=str(port), TORCHYARD_DEVICES="cpu",
-               TORCHYARD_HEARTBEAT_INTERVAL_S="0.5", TORCHYARD_HEARTBEAT_TTL_S="3", TORCHYARD_LEASE_TTL_S="3",
-               TORCHYARD_DEVICE_FAULT_FILE=str(fault), PYTHONUNBUFFERED="1")
     log_path = tmp_path / "up.log"
-    up = subprocess.Popen([sys.executable, "-m", "app.cli", "up"], cwd=REPO, env=env,
-                          stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                          start_new_session=True)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
-    try:
-        wait_until(lambda: client.get("/readyz").status_code == 200, timeout=120, what="the stack to be ready")
+    settings = {"TORCHYARD_DEVICES": "cpu", "TORCHYARD_HEARTBEAT_INTERVAL_S": "0.5", "TORCHYARD_HEARTBEAT_TTL_S": "3",
+                "TORCHYARD_LEASE_TTL_S": "3", "TORCHYARD_DEVICE_FAULT_FILE": str(fault)}
+    with UpStack(tmp_path / "var", log_path, settings, start_timeout=120, client_timeout=30) as stack:
+        up, client, port, env = stack.proc, stack.client, stack.port, stack.env
+        assert up is not None
 
-        second = subprocess.run([sys.executable, "-m", "app.cli", "up"], cwd=REPO, capture_output=True, text=True,
+        second = subprocess.run(cli("up"), cwd=REPO, capture_output=True, text=True,
                                 env={**env, "TORCHYARD_PORT": str(free_port())}, timeout=120)
         assert second.returncode == 2, second.stdout + second.stderr
         assert f"in use by another `torchyard up` (pid {up.pid})" in second.stdout + second.stderr
@@ -100,7 +82,7 @@ def test_up_guards_its_data_dir_restarts_redis_and_a_broken_worker(tmp_path) -> 
         # the port and exits 2 before starting anything (no Redis, no worker, no API).
         api_pid = next(p.pid for p in _descendants(up.pid) if p.cmdline()[-1:] == ["api"])
         elsewhere = tmp_path / "elsewhere"
-        third = subprocess.run([sys.executable, "-m", "app.cli", "up"], cwd=REPO, capture_output=True, text=True,
+        third = subprocess.run(cli("up"), cwd=REPO, capture_output=True, text=True,
                                env={**env, "TORCHYARD_DATA_DIR": str(elsewhere)}, timeout=120)
         said = third.stdout + third.stderr
         assert third.returncode == 2, said
@@ -152,20 +134,14 @@ def test_up_guards_its_data_dir_restarts_redis_and_a_broken_worker(tmp_path) -> 
 
         up.send_signal(signal.SIGTERM)
         assert up.wait(90) == 0
-    finally:
-        client.close()
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
 
 
 def test_a_child_with_a_configuration_error_stops_up_instead_of_restarting(tmp_path) -> None:
     """A GPU asked for that this host does not have (97, hidden on any host): its worker exits 2 with why, once; `up` is not
     restarting it in a loop but stops everything and exits 2."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
-    env.update(TORCHYARD_DATA_DIR=str(tmp_path / "var"), TORCHYARD_PORT=str(free_port()), TORCHYARD_DEVICES="97",
-               CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-    up = subprocess.run([sys.executable, "-m", "app.cli", "up"], cwd=REPO, env=env, capture_output=True, text=True,
-                        timeout=180)
+    env = {**without_settings(), "TORCHYARD_DATA_DIR": str(tmp_path / "var"), "TORCHYARD_PORT": str(free_port()),
+           "TORCHYARD_DEVICES": "97", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
+    up = subprocess.run(cli("up"), cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     said = up.stdout + up.stderr
     assert up.returncode == 2, said
     assert "no CUDA device is visible" in said
@@ -174,24 +150,18 @@ def test_a_child_with_a_configuration_error_stops_up_instead_of_restarting(tmp_p
 
 
 def test_a_worker_sigkilled_mid_epoch_under_up_takes_its_job_back_and_finishes_it(tmp_path) -> None:
-    """#29 item 3 under `up` itself: the worker SIGKILLed inside an epoch is restarted by the
+    """The fast takeover under `up` itself: the worker SIGKILLed inside an epoch is restarted by the
     supervisor, and the fresh process, seeing its predecessor's pid gone, requeues the job at once
     (its reason says the worker process died; a 120 s lease rules out the lease's sweep); the job
     resumes after its last recorded epoch and succeeds, each epoch recorded once. How fast is
     measured by bench/takeover.py (docs/benchmarks.md), not asserted here."""
 
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHYARD_")}
-    env.update(TORCHYARD_DATA_DIR=str(tmp_path / "var"), TORCHYARD_PORT=str(port), TORCHYARD_DEVICES="cpu",
-               TORCHYARD_HEARTBEAT_INTERVAL_S="0.5", TORCHYARD_LEASE_TTL_S="120", PYTHONUNBUFFERED="1")
     log_path = tmp_path / "up.log"
-    up = subprocess.Popen([sys.executable, "-m", "app.cli", "up"], cwd=REPO, env=env,
-                          stdout=open(log_path, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                          start_new_session=True)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30)
+    settings = {"TORCHYARD_DEVICES": "cpu", "TORCHYARD_HEARTBEAT_INTERVAL_S": "0.5", "TORCHYARD_LEASE_TTL_S": "120"}
     epochs = 3
-    try:
-        wait_until(lambda: client.get("/readyz").status_code == 200, timeout=120, what="the stack to be ready")
+    with UpStack(tmp_path / "var", log_path, settings, start_timeout=120, client_timeout=30) as stack:
+        up, client = stack.proc, stack.client
+        assert up is not None
         job_id = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": epochs,
                                             "batch_size": 8, "patience": 0}).json()["id"]
 
@@ -221,7 +191,3 @@ def test_a_worker_sigkilled_mid_epoch_under_up_takes_its_job_back_and_finishes_i
 
         up.send_signal(signal.SIGTERM)
         assert up.wait(90) == 0
-    finally:
-        client.close()
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)

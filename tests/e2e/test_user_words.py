@@ -1,4 +1,4 @@
-"""What a newcomer reads when they get something wrong, or right (#28): refusals in their own
+"""What a newcomer reads when they get something wrong, or right: refusals in their own
 words, before anything runs, and the CLI naming what they named. Against the shared stack."""
 
 from __future__ import annotations

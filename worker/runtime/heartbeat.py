@@ -125,7 +125,7 @@ class Heartbeat(threading.Thread):
             status=status, current_job=job, loaded_models=self.loaded_models(),
             last_heartbeat=utc_now_iso(), cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"),
             pid=os.getpid(), inference=self.inference_stats() if self.inference_stats else None, fault=fault,
-            host_memory_total_bytes=host_memory_total(),  # job admission (#13, core/admission.py)
+            host_memory_total_bytes=host_memory_total(),  # job admission (core/admission.py)
         )
 
     def _describe(self) -> DeviceInfo:

@@ -1,4 +1,4 @@
-"""A training job's device choices are a record of their own, beside its params (#30), and a record
+"""A training job's device choices are a record of their own, beside its params, and a record
 written by the previous code (the choices inside `params`, the worker having rewritten them) still
 reads back and resumes: the shape below is what that code stored for a job like `make_trainer`'s
 once its first delivery had started (submit's params, then `TrainingPlan.as_params()` and

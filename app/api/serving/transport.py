@@ -1,4 +1,16 @@
-"""Lua scripts of concurrent callers, sent to Redis together (the /predict hot path's queueing)."""
+"""The transport stage: a request's message onto a device's list in Redis, and off it again.
+
+The worker's transport stage (worker/serving/transport.py) takes what this one queues. A message
+is the body's buffer with a core/wire.PredictHeader appended (framed in place by the engine,
+app/api/serving/engine.py). One Lua script checks that the job succeeded (and, for a request that
+named an alias, that the alias still names that job) and RPUSHes the message to the device's list,
+atomically, so a request is answered by the one job it was queued for and an alias's move and the
+requests' queueing are ordered by Redis itself. The scripts of the requests that arrive in one
+turn of the event loop go to Redis in one pipeline (`CoalescedScripts`), written once without a
+copy of the bodies and never retried (core/redis.execute_once), so a request is queued once
+however slow the link or late Redis's answer. A message whose worker process is gone is taken
+back off its list by the LREM of its exact bytes.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +22,58 @@ import redis.asyncio as aioredis
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
+from core import keys
 from core.redis import execute_once
+from core.schemas import JobStatus
+
+# Queue the request only if the job succeeded; return its status either way (nil: no such job).
+_QUEUE_IF_SUCCEEDED = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == ARGV[1] then
+  redis.call('RPUSH', KEYS[2], ARGV[2])
+end
+return status
+"""
+# The same for a request that named an alias: queue it only while the alias still points at the job
+# it was resolved to (ARGV[2]); MOVED otherwise, and the caller resolves the name again.
+MOVED = "~moved"
+_QUEUE_IF_ALIAS_STILL_THERE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then
+  return '""" + MOVED + """'
+end
+local status = redis.call('HGET', KEYS[2], 'status')
+if status == ARGV[3] then
+  redis.call('RPUSH', KEYS[3], ARGV[4])
+end
+return status
+"""
+
+
+class Transport:
+    """The devices' /predict lists, as the API writes them: queue a message, take it back."""
+
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.redis = client
+        self._scripts = CoalescedScripts(client)
+        self._queue_if_succeeded = client.register_script(_QUEUE_IF_SUCCEEDED)
+        self._queue_if_alias_still_there = client.register_script(_QUEUE_IF_ALIAS_STILL_THERE)
+
+    async def queue(self, device_id: str, job_id: str, message: memoryview | bytes, alias: str | None = None) -> str | None:
+        """RPUSH `message` to the device's list if the job succeeded and, given `alias`, that name
+        still points at the job: the job's status either way (None: no such job), or MOVED."""
+        if alias is None:
+            return await self._scripts.run(self._queue_if_succeeded, [keys.job(job_id), keys.predict_queue(device_id)],
+                                           [JobStatus.succeeded.value, message])
+        return await self._scripts.run(self._queue_if_alias_still_there,
+                                       [keys.ALIASES, keys.job(job_id), keys.predict_queue(device_id)],
+                                       [alias, job_id, JobStatus.succeeded.value, message])
+
+    async def take_back(self, device_id: str, message: memoryview | bytes) -> None:
+        """Remove `message` from the device's list, if it is still there: an LREM of its exact bytes,
+        written without a copy (core/redis.execute_once)."""
+        (removed,) = await execute_once(self.redis, [("LREM", keys.predict_queue(device_id), 1, message)])
+        if isinstance(removed, Exception):
+            raise removed
 
 
 @dataclass(frozen=True)

@@ -1,61 +1,53 @@
-"""The API's side of a prediction: read and check the request, pick a live worker, send, wait (bounded).
+"""The API's serving engine: a /predict request's stages on this side of the wire, wired together.
 
-A request is checked once, as its body streams in (app/api/multipart.py: sizes, counts, each
-image's header as soon as its part is complete; `PredictCall`: the fields), and its bytes are
-admitted against the process's memory budget (app/api/body_budget.py). The body's buffer, with a
-header appended, is the message itself (core/wire.PredictRequest): the images are never copied,
-re-encoded or held twice, and a request sent again is the same bytes.
+The worker's engine (worker/serving/engine.py) serves what this one sends; the stages, each in its
+own module, read in a request's order:
 
-Requests travel on a Redis list per device (RPUSH here, BLPOP in the worker's intake) and the
-answer comes back to this process's inbox (app/api/reply_inbox.py), all over the API's async
-Redis client: no thread is parked per request. A request costs one script (it checks that the
-job succeeded and queues the request, atomically), and the scripts of the requests that arrive in
-one turn of the event loop go to Redis in one pipeline (app/api/coalesced_scripts.py), written
-once without a copy of the bodies and never retried (core/redis.execute_once), so a request is
-queued once however slow the link or late Redis's answer. The
-worker's reply body, which names the alias when one was asked for, is the HTTP body as is.
+- intake (app/api/serving/intake.py): the body read as it streams (multipart.py), its bytes held
+  against the process's budget (budget.py), each image's header checked: a `PredictCall`;
+- devices (app/api/serving/devices.py): the live devices, the one the request goes to (its model
+  resident first, then an idle one), and Redis's clock;
+- transport (app/api/serving/transport.py): the message (the body's own buffer, a
+  core/wire.PredictHeader appended) queued on that device's list by one script that checks the job,
+  in one pipeline per event-loop turn; taken back by its exact bytes;
+- replies (app/api/serving/replies.py): this process's inbox, where the worker's replies stage
+  RPUSHes the answers; the waiting request is resolved, the worker's JSON is the HTTP body as is.
+
+The images are never copied, re-encoded or held twice, and a request sent again is the same bytes.
+No thread is parked per request: everything here runs on the event loop, over the API's async
+Redis client. app/api/serving/direct.py is how the front gate calls `answer`.
 
 A worker that dies holding requests (SIGKILL, OOM, a lost host) does not answer them, and the
 ones still on its list would wait for a process that is not coming back: `PredictionClient`
-watches the requests in flight against the live workers (app/api/live_devices.py), and a request
-whose worker process is gone is taken back off its list and sent again to a live worker, keeping
-its id and deadline. Predictions are pure, so a request that ends up computed twice (its worker
-was only frozen) costs time, not correctness: the first answer wins and the other is dropped.
+watches the requests in flight against the live devices, and a request whose worker process is
+gone is taken back off its list and sent again to a live worker, keeping its id and deadline.
+Predictions are pure, so a request that ends up computed twice (its worker was only frozen) costs
+time, not correctness: the first answer wins and the other is dropped.
 
 A request may name an alias instead of a job (core/aliases.py): the name is resolved to a job id,
 and the script that queues the request first checks that the alias still points there (else the
-request is resolved again), so a request is answered by the one job it was queued for, and the
-alias's move and the request's queueing are ordered by Redis itself.
+request is resolved again), so a request is answered by the one job it was queued for.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
-import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
-from PIL import Image
 from starlette.requests import Request
 
-from app.api.body_budget import BodyBudget
-from app.api.coalesced_scripts import CoalescedScripts
-from app.api.live_devices import LiveDevices
-from app.api.multipart import NO_IMAGE, FormLimits, PredictForm, read_predict_form
-from app.api.reply_inbox import ReplyInbox
+from app.api.serving.devices import LiveDevices
+from app.api.serving.intake import Intake, PredictCall
+from app.api.serving.replies import ReplyInbox
+from app.api.serving.transport import MOVED, Transport
 from core import keys
-from core.aliases import validate_alias_name
 from core.config import Settings
-from core.defaults import MAX_TOP_K, TOP_K
-from core.errors import Conflict, InvalidInput, NotFound, TooLarge, TorchyardError, Unavailable, UnsupportedMedia
-from core.images import IMAGE_FORMATS, IMAGE_FORMATS_TEXT, OPENED_FORMATS, ViewReader
-from core.redis import execute_once
-from core.schemas import Device, JobStatus
-from core.storage import validate_id
+from core.errors import Conflict, NotFound, TorchyardError, Unavailable
+from core.schemas import JobStatus
 from core.wire import PredictHeader, PredictReply, PredictRequest
 
 log = logging.getLogger(__name__)
@@ -63,79 +55,11 @@ log = logging.getLogger(__name__)
 # How often the requests in flight are checked against the workers that hold them: a request whose
 # worker process is gone is sent again within this (plus the live view's age) of its heartbeat lapsing.
 WATCH_S = 1.0
-
-# Queue the request only if the job succeeded; return its status either way (nil: no such job).
-_QUEUE_IF_SUCCEEDED = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if status == ARGV[1] then
-  redis.call('RPUSH', KEYS[2], ARGV[2])
-end
-return status
-"""
-# The same for a request that named an alias: queue it only while the alias still points at the job
-# it was resolved to (ARGV[2]); MOVED otherwise, and the caller resolves the name again.
-_MOVED = "~moved"
-_QUEUE_IF_ALIAS_STILL_THERE = """
-if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then
-  return '""" + _MOVED + """'
-end
-local status = redis.call('HGET', KEYS[2], 'status')
-if status == ARGV[3] then
-  redis.call('RPUSH', KEYS[3], ARGV[4])
-end
-return status
-"""
 ALIAS_RESOLVE_TRIES = 5
 
 
 class NoLiveWorker(Unavailable):
     """No worker is alive to take a request: a 503 for a new request, a wait for one sent again."""
-
-
-@dataclass(frozen=True)
-class PredictCall:
-    """A /predict request, checked: exactly one of job_id and alias, top_k, at least one image."""
-
-    job_id: str | None
-    alias: str | None
-    top_k: int
-    form: PredictForm
-
-    @classmethod
-    def from_form(cls, form: PredictForm) -> PredictCall:
-        job_id, alias = form.fields.get("job_id") or None, form.fields.get("alias") or None
-        if (job_id is None) == (alias is None):
-            raise InvalidInput("send exactly one of the form fields job_id and alias")
-        if alias is not None:
-            validate_alias_name(alias)
-        else:
-            validate_id(job_id or "", "job_id")
-        try:
-            top_k = int(form.fields.get("top_k", str(TOP_K)))
-        except ValueError:
-            raise InvalidInput(f"top_k: must be an integer between 1 and {MAX_TOP_K}") from None
-        if not 1 <= top_k <= MAX_TOP_K:
-            raise InvalidInput(f"top_k: must be an integer between 1 and {MAX_TOP_K}")
-        if not form.images:
-            raise InvalidInput(f"file: {NO_IMAGE}")
-        return cls(job_id, alias, top_k, form)
-
-
-def check_image(filename: str | None, data: bytes | memoryview, max_pixels: int) -> None:
-    """Cheap gatekeeping from the header alone (the worker does the full decode): an allowed format,
-    at most `max_pixels`. Reads the bytes in place: a 10 MiB image is not copied to be looked at."""
-    name = filename or "image"
-    try:
-        with Image.open(io.BufferedReader(ViewReader(data)), formats=IMAGE_FORMATS) as probe:  # no other plugin runs
-            fmt, (width, height) = probe.format, probe.size
-    except Image.DecompressionBombError:
-        raise TooLarge(f"{name} has too many pixels; the limit is {max_pixels} (TORCHYARD_MAX_IMAGE_PIXELS)") from None
-    except Exception:
-        raise UnsupportedMedia(f"{filename or 'file'} is not an image ({IMAGE_FORMATS_TEXT})") from None
-    if fmt not in OPENED_FORMATS:
-        raise UnsupportedMedia(f"{filename or 'file'} is {fmt}; send {IMAGE_FORMATS_TEXT}")
-    if width * height > max_pixels:
-        raise TooLarge(f"{name} has {width * height} pixels; the limit is {max_pixels} (TORCHYARD_MAX_IMAGE_PIXELS)")
 
 
 @dataclass(slots=True)
@@ -157,19 +81,13 @@ class PredictionClient:
     def __init__(self, client: aioredis.Redis, settings: Settings) -> None:
         self.redis = client
         self.timeout_s = settings.predict_timeout_s
-        self.max_pixels = settings.max_image_pixels
-        self.limits = FormLimits(max_images=settings.max_images_per_request, max_image_bytes=settings.max_image_bytes,
-                                 max_body_bytes=settings.max_predict_request_bytes)
-        self.budget = BodyBudget(settings.predict_memory_budget_bytes, settings.predict_memory_per_client_limit)
+        self.intake = Intake(settings)
         self.live = LiveDevices(client, self.timeout_s)
+        self.transport = Transport(client)
+        self.inbox = ReplyInbox(client)
         self._in_flight: dict[str, _InFlight] = {}
         self._watcher: asyncio.Task[None] | None = None
         self.on_orphaned: Callable[[float], None] = lambda count: None  # the app counts them (/metrics)
-        self._turn = itertools.count()
-        self._scripts = CoalescedScripts(client)
-        self._queue_if_succeeded = client.register_script(_QUEUE_IF_SUCCEEDED)
-        self._queue_if_alias_still_there = client.register_script(_QUEUE_IF_ALIAS_STILL_THERE)
-        self.inbox = ReplyInbox(client)
 
     async def close(self) -> None:
         watcher, self._watcher = self._watcher, None
@@ -181,16 +99,11 @@ class PredictionClient:
 
     async def answer(self, request: Request) -> bytes:
         """POST /predict: the JSON body of a PredictResponse, as the worker wrote it."""
-        # Reserved as the bytes arrive, never for a declared length (app/api/body_budget.py says why).
-        reservation = self.budget.reservation(request.client.host if request.client else "")
+        reservation = self.intake.reservation(request)
         try:
-            form = await read_predict_form(request, self.limits, self._check_image, on_bytes=reservation.reserve)
-            return await self.predict(PredictCall.from_form(form))
+            return await self.predict(await self.intake.read(request, reservation))
         finally:
             reservation.release()
-
-    def _check_image(self, filename: str | None, data: memoryview) -> None:
-        check_image(filename, data, self.max_pixels)
 
     async def predict(self, call: PredictCall) -> bytes:
         request_id, answer = self.inbox.expect(self.timeout_s)
@@ -236,7 +149,7 @@ class PredictionClient:
             job_id = await self._resolve(alias) if alias is not None else flight.call.job_id
             assert job_id is not None
             status = await self._queue(flight, job_id)
-            if status != _MOVED:
+            if status != MOVED:
                 break
         else:
             raise Unavailable(f"alias {alias} moved {ALIAS_RESOLVE_TRIES} times while this request was queued; retry")
@@ -263,7 +176,7 @@ class PredictionClient:
             if flight.holder is not None:
                 device_id = flight.holder[0]
                 # Not taken yet: no process computes it later. Taken: it died with its worker.
-                await self._take_back(device_id, flight)
+                await self._take_back(flight)
                 flight.holder = None
                 gone[device_id] = gone.get(device_id, 0) + 1
             if not live or flight.answer.done() or self.live.clock.now() >= flight.deadline:
@@ -278,18 +191,16 @@ class PredictionClient:
                 continue
             if flight.request_id not in self._in_flight and flight.holder is not None:
                 # Its caller went away (answered by the first copy, or gone) while this one was sent.
-                await self._take_back(flight.holder[0], flight)
+                await self._take_back(flight)
         for device_id, count in gone.items():
             self.on_orphaned(count)
             log.warning("%d prediction request(s) held by the worker of %s, whose process is gone, sent again",
                         count, device_id)
 
-    async def _take_back(self, device_id: str, flight: _InFlight) -> None:
-        """Remove the request's message from the device's list, if it is still there: an LREM of its
-        exact bytes, written without a copy (core/redis.execute_once)."""
-        (removed,) = await execute_once(self.redis, [("LREM", keys.predict_queue(device_id), 1, flight.message)])
-        if isinstance(removed, Exception):
-            raise removed
+    async def _take_back(self, flight: _InFlight) -> None:
+        """The request's message off the list it went to (or may have), if it is still there."""
+        assert flight.holder is not None and flight.message is not None
+        await self.transport.take_back(flight.holder[0], flight.message)
 
     async def _resolve(self, alias: str) -> str:
         job_id = await self.redis.hget(keys.ALIASES, alias)
@@ -299,26 +210,19 @@ class PredictionClient:
 
     async def _queue(self, flight: _InFlight, job_id: str) -> str | None:
         """Queue the request for `job_id` on a live device if the job succeeded (and the alias still
-        names it): the job's status or _MOVED. Records where it went in `flight`."""
+        names it): the job's status or MOVED. Records where it went in `flight`."""
         live = await self.live.read()
         if not live:  # still say 404 / 409 first: they do not depend on a worker
             self._check_status(job_id, await self.redis.hget(keys.job(job_id), "status"))
             raise NoLiveWorker("no live worker can serve predictions; start one with `torchyard worker`",
                                retry_after_s=2)
-        device = self._pick_device(job_id, live)
+        device = self.live.pick_device(job_id, live)
         message = self._frame(flight, job_id)
-        alias = flight.call.alias
         # Where the message may be from here on: should the script's answer be lost (a timeout, a broken
         # connection), it may have run, and the watcher takes it back from there before sending it
         # again, rather than leave a second copy on a list.
         flight.holder = (device.id, self.live.holder(device.id) or "")
-        if alias is None:
-            status = await self._scripts.run(self._queue_if_succeeded, [keys.job(job_id), keys.predict_queue(device.id)],
-                                             [JobStatus.succeeded.value, message])
-        else:
-            status = await self._scripts.run(self._queue_if_alias_still_there,
-                                             [keys.ALIASES, keys.job(job_id), keys.predict_queue(device.id)],
-                                             [alias, job_id, JobStatus.succeeded.value, message])
+        status = await self.transport.queue(device.id, job_id, message, flight.call.alias)
         if status != JobStatus.succeeded.value:
             flight.holder = None  # not queued
         return status
@@ -329,12 +233,3 @@ class PredictionClient:
             raise NotFound(f"job {job_id} not found")
         if status != JobStatus.succeeded.value:
             raise Conflict(f"job {job_id} is {status}; only a succeeded job can predict")
-
-    def _pick_device(self, job_id: str, live: list[Device]) -> Device:
-        """Prefer a worker that already holds the model, then an idle one; rotate among equals."""
-        best = min(d.status != "idle" for d in live) if not any(job_id in d.loaded_models for d in live) else None
-        if best is None:
-            candidates = [d for d in live if job_id in d.loaded_models]
-        else:
-            candidates = [d for d in live if (d.status != "idle") == best]
-        return candidates[next(self._turn) % len(candidates)]

@@ -1,4 +1,5 @@
-"""The /predict body: multipart/form-data read as it streams, into the one buffer that is sent on.
+"""The intake's reader of the /predict body: multipart/form-data read as it streams, into the one
+buffer that is sent on.
 
 Why not FastAPI's `UploadFile` and `Form` parameters: Starlette's parser spools every file to a
 SpooledTemporaryFile and parses headers in Python callbacks, a large share of the API's CPU per

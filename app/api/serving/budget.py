@@ -1,4 +1,5 @@
-"""How many bytes of /predict bodies one API process holds at once: admission by bytes in flight.
+"""The intake's budget: how many bytes of /predict bodies one API process holds at once (admission by
+bytes in flight).
 
 A /predict request's images stay in the API process from the first byte received until its answer
 (they are what is sent again if its worker dies), and each request is capped

@@ -1,6 +1,6 @@
-"""One reply list per API process, read by one listener: how /predict answers come back.
+"""The replies stage: one reply list per API process, read by one listener: how /predict answers come back.
 
-Before this, each request BLPOPped a reply list of its own: a second Redis call per prediction,
+The worker's replies stage (worker/serving/replies.py) RPUSHes what this one reads. Before this, each request BLPOPped a reply list of its own: a second Redis call per prediction,
 each holding a pooled connection while it waited (32 concurrent requests, 32 connections). Now a
 request registers a future under a fresh id and the worker RPUSHes the answers of a whole batch
 to this process's inbox in one call; the listener pops them in bulk (BLPOP and an LPOP of up to

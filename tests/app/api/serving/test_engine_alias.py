@@ -1,6 +1,6 @@
 """/predict by alias, the API side, against a real Redis: the name is resolved to a job and the
 request is queued only while the alias still names that job; otherwise nothing is queued and the
-name is resolved again. The worker side is played by hand, as in test_predictions.py."""
+name is resolved again. The worker side is played by hand, as in test_engine.py."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import json
 
 import redis
 
-from app.api.predictions import _MOVED
+from app.api.serving.transport import MOVED
 from core import keys
 from core.wire import PredictRequest
-from tests.app.api.test_predictions import _client, _image, _predict, _raw, _register_device
+from tests.app.api.serving.support import image, predict, prediction_client, register_device, worker_redis
 
 
 def test_a_request_is_queued_for_the_job_the_alias_names_at_that_moment(clean_redis_url: str) -> None:
@@ -20,12 +20,12 @@ def test_a_request_is_queued_for_the_job_the_alias_names_at_that_moment(clean_re
     for job_id in ("jobaaaa", "jobbbbb"):
         sync.hset(keys.job(job_id), "status", "succeeded")
     sync.hset(keys.ALIASES, "pets", "jobaaaa")
-    _register_device(sync, "n/cpu", [])
+    register_device(sync, "n/cpu", [])
     served: list[PredictRequest] = []
 
     def fake_worker() -> None:
         """Takes the request; before answering it, the alias moves (as a PUT /aliases/pets would)."""
-        _, raw = _raw(clean_redis_url).blpop([keys.predict_queue("n/cpu")], timeout=5)
+        _, raw = worker_redis(clean_redis_url).blpop([keys.predict_queue("n/cpu")], timeout=5)
         request = PredictRequest.decode(raw)
         served.append(request)
         # The worker writes the alias the request named into its answer (worker/serving/replies.py).
@@ -34,15 +34,13 @@ def test_a_request_is_queued_for_the_job_the_alias_names_at_that_moment(clean_re
         sync.rpush(request.header.reply_to, f"{request.header.request_id} 200 {json.dumps(body)}")
 
     async def scenario() -> None:
-        client = _client(clean_redis_url, timeout_s=5)
+        client = prediction_client(clean_redis_url, timeout_s=5)
         # The script refuses to queue for a job the alias no longer names: nothing reaches the list.
-        script_result = await client._queue_if_alias_still_there(
-            keys=[keys.ALIASES, keys.job("jobbbbb"), keys.predict_queue("n/cpu")],
-            args=["pets", "jobbbbb", "succeeded", b"message"])
-        assert script_result == _MOVED and await client.redis.llen(keys.predict_queue("n/cpu")) == 0
+        script_result = await client.transport.queue("n/cpu", "jobbbbb", b"message", alias="pets")
+        assert script_result == MOVED and await client.redis.llen(keys.predict_queue("n/cpu")) == 0
         sync.hset(keys.ALIASES, "pets", "jobbbbb")
         worker = asyncio.get_running_loop().run_in_executor(None, fake_worker)
-        answer = json.loads(await _predict(client, None, [_image()], 3, alias="pets"))
+        answer = json.loads(await predict(client, None, [image()], 3, alias="pets"))
         await worker
         assert (answer["job_id"], answer["alias"]) == ("jobbbbb", "pets")
         assert (served[0].header.job_id, served[0].header.alias) == ("jobbbbb", "pets")

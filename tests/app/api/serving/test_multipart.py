@@ -1,4 +1,4 @@
-"""The /predict body reader (app/api/multipart.py): the parts clients send, found as the body
+"""The /predict body reader (app/api/serving/multipart.py): the parts clients send, found as the body
 streams in, whatever the chunking; limits decided before the rest of the body arrives."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from PIL import Image
 from starlette.requests import Request
 
-from app.api.multipart import FormLimits, read_predict_form
+from app.api.serving.multipart import FormLimits, read_predict_form
 from core.errors import InvalidInput, TooLarge, UnsupportedMedia
-from tests.app.api.test_predictions import _form_request
+from tests.app.api.serving.support import form_request
 
 LIMITS = FormLimits(max_images=3, max_image_bytes=4096, max_body_bytes=64 * 1024)
 
@@ -39,7 +39,7 @@ def test_the_parts_clients_send_are_found_whatever_the_chunking(chunk: int | Non
     pngs = [_png(1), _png(2)]
     files = [("file", ("a.png", pngs[0], "image/png")), ("file", ('we"ird name.png', pngs[1], "image/png"))]
     seen: list = []
-    form = _read(_form_request(files, {"job_id": "abc", "top_k": "3"}, chunk=chunk), seen=seen)
+    form = _read(form_request(files, {"job_id": "abc", "top_k": "3"}, chunk=chunk), seen=seen)
     assert form.fields == {"job_id": "abc", "top_k": "3"}
     images = [(name, bytes(form.buffer[at:at + n])) for name, at, n in form.images]
     assert images == [("a.png", pngs[0]), ("we%22ird name.png", pngs[1])]  # as httpx escapes it
@@ -48,7 +48,7 @@ def test_the_parts_clients_send_are_found_whatever_the_chunking(chunk: int | Non
 
 def test_a_part_that_holds_the_boundary_text_but_not_a_delimiter_is_kept_whole() -> None:
     tricky = b"\r\n--x\r\n--" + b"y" * 50
-    form = _read(_form_request([("file", ("t.png", tricky, "image/png"))], {"job_id": "j"}, chunk=3))
+    form = _read(form_request([("file", ("t.png", tricky, "image/png"))], {"job_id": "j"}, chunk=3))
     (_, at, n), = form.images
     assert bytes(form.buffer[at:at + n]) == tricky
 
@@ -59,7 +59,7 @@ def test_limits_are_decided_while_the_body_streams() -> None:
     received = []
 
     def request(files, chunk=256):
-        req = _form_request(files, {"job_id": "j"}, chunk=chunk)
+        req = form_request(files, {"job_id": "j"}, chunk=chunk)
         original = req._receive
 
         async def counting():

@@ -1,16 +1,19 @@
-"""The API's view of the workers that can take a prediction now, and of Redis's clock.
+"""The devices stage: which workers can take a prediction now, which one a request goes to, and
+Redis's clock.
 
 Read from Redis at most every LIVE_CACHE_S by each API process (one pipeline: every device's
-record and alive key, and Redis TIME), shared by every request of that process. The alive key
-names the worker process holding the device (core/devices.alive_instances), which is how a
-request whose worker process is gone is recognised. Redis TIME rides the same pipeline so the
-process always knows Redis's clock (core/clock.RedisClock), the one a prediction's `queued_at`
-and `deadline` are written in.
+record and alive key, and Redis TIME), shared by every request of that process. A request goes to
+a device that holds its model already, else to an idle one (`pick_device`). The alive key names
+the worker process holding the device (core/devices.alive_instances), which is how a request
+whose worker process is gone is recognised. Redis TIME rides the same pipeline so the process
+always knows Redis's clock (core/clock.RedisClock), the one a prediction's `queued_at` and
+`deadline` are written in, as the worker's transport stage keeps it on its side.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import redis.asyncio as aioredis
@@ -33,6 +36,7 @@ class LiveDevices:
         self.instances: dict[str, str] = {}  # live device id → the worker process holding it
         self._read_at = 0.0
         self._reading: asyncio.Future[list[Device]] | None = None
+        self._turn = itertools.count()
 
     def forget(self) -> None:
         """Read again at the next call (a worker did not answer: it may be gone)."""
@@ -40,6 +44,15 @@ class LiveDevices:
 
     def holder(self, device_id: str) -> str | None:
         return self.instances.get(device_id)
+
+    def pick_device(self, job_id: str, live: list[Device]) -> Device:
+        """Prefer a worker that already holds the model, then an idle one; rotate among equals."""
+        best = min(d.status != "idle" for d in live) if not any(job_id in d.loaded_models for d in live) else None
+        if best is None:
+            candidates = [d for d in live if job_id in d.loaded_models]
+        else:
+            candidates = [d for d in live if (d.status != "idle") == best]
+        return candidates[next(self._turn) % len(candidates)]
 
     async def read(self) -> list[Device]:
         """The devices that serve predictions, at most LIVE_CACHE_S old."""
