@@ -111,9 +111,13 @@ def test_after_an_outage_a_worker_sweeps_only_once_redis_answered_for_a_lease_tt
     store = _store(client)
     clock = DrivenClock()
     heartbeat = _heartbeat(store, tmp_path, clock)
-    job_id = _lapsed_job(store)
-    own_redis.stop()  # the outage: the beat fails, and the heartbeat goes on
+    for _ in range(int(LEASE_TTL_S) + 2):  # a worker long healthy, sweeping (nothing to redeliver yet)
+        heartbeat.tick()
+        clock.advance(INTERVAL_S)
+    job_id = _lapsed_job(store)  # another worker's job, whose lease lapses during the outage
+    own_redis.stop()  # the outage, one beat long: the beat fails, and the heartbeat goes on
     heartbeat.tick()
+    clock.advance(INTERVAL_S)
     own_redis.start()  # back, with the job and its lapsed lease (append-only file)
     assert _status(store, job_id) is JobStatus.running
     swept_after = _beats_until_swept(heartbeat, store, job_id, clock)
