@@ -18,6 +18,7 @@ tests start (API, workers) run from the copy too: they are started from its root
 
     python scripts/mutation.py                     # every guard; exit 1 unless all are caught
     python scripts/mutation.py --only "zip-slip"   # guards whose name holds any of these words
+    python scripts/mutation.py --repeat 3          # caught only if caught in each of 3 runs
     python scripts/mutation.py --write-docs        # also replace the table in docs/reliability.md
 """
 
@@ -115,24 +116,29 @@ def failure_line(output: str, says: str) -> str:
                 next((line for line in lines if line.startswith("E ")), "(no failure line)"))[:160]
 
 
-def judge(guard: Guard, root: Path, timeout_s: float) -> Outcome:
+def judge(guard: Guard, root: Path, timeout_s: float, repeat: int = 1) -> Outcome:
+    """The guard broken, its tests run `repeat` times: caught only if every run caught it."""
     path = root / guard.path
     original = path.read_text()
     try:
         path.write_text(mutate(original, guard))
     except LookupError as exc:
         return Outcome(guard, "not applied", 0.0, str(exc))
+    total = 0.0
     try:
-        code, output, seconds = run_tests(root, list(guard.tests), timeout_s)
+        for run in range(repeat):
+            code, output, seconds = run_tests(root, list(guard.tests), timeout_s)
+            total += seconds
+            runs = f" (run {run + 1} of {repeat})" if repeat > 1 else ""
+            if code is None:
+                return Outcome(guard, "timed out", total, f"over {timeout_s:.0f} s{runs}")
+            if code == 0:
+                return Outcome(guard, "survived", total, f"every named test passed{runs}")
+            if not any(guard.says in line for line in failure_lines(output)):
+                return Outcome(guard, "caught, wrong reason", total, failure_line(output, guard.says) + runs)
     finally:
         path.write_text(original)
-    if code is None:
-        return Outcome(guard, "timed out", seconds, f"over {timeout_s:.0f} s")
-    if code == 0:
-        return Outcome(guard, "survived", seconds, "every named test passed")
-    if any(guard.says in line for line in failure_lines(output)):
-        return Outcome(guard, "caught", seconds, failure_line(output, guard.says))
-    return Outcome(guard, "caught, wrong reason", seconds, failure_line(output, guard.says))
+    return Outcome(guard, "caught", total, failure_line(output, guard.says))
 
 
 def table(outcomes: list[Outcome]) -> str:
@@ -158,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", nargs="*", default=[], help="guards whose name holds any of these words")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for one guard's tests")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of each guard's tests; caught only if caught each time")
     parser.add_argument("--skip-baseline", action="store_true",
                         help="do not run the tests on the unmutated copy first (they were just run)")
     parser.add_argument("--write-docs", action="store_true", help="replace the table in docs/reliability.md")
@@ -187,14 +194,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"baseline passed in {seconds:.0f} s", flush=True)
         outcomes = []
         for guard in guards:
-            outcome = judge(guard, root, args.timeout)
+            outcome = judge(guard, root, args.timeout, args.repeat)
             outcomes.append(outcome)
             print(f"{outcome.verdict:22} {outcome.seconds:5.0f} s  {guard.name}  ({outcome.detail})", flush=True)
     caught = sum(o.verdict == "caught" for o in outcomes)
     load = os.getloadavg()
     header = (f"Last run {datetime.now(UTC):%Y-%m-%d %H:%M} UTC on {platform.node() or 'this host'} "
               f"({os.cpu_count()} cores, load average at the end {load[0]:.1f}): {caught} of {len(outcomes)} "
-              f"guards caught for the right reason.")
+              f"guards caught for the right reason" + (f", each in {args.repeat} runs." if args.repeat > 1 else "."))
     print(header)
     print(table(outcomes))
     if args.write_docs:
