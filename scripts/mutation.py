@@ -20,6 +20,7 @@ tests start (API, workers) run from the copy too: they are started from its root
     python scripts/mutation.py --only "zip-slip"   # guards whose name holds any of these words
     python scripts/mutation.py --repeat 3          # caught only if caught in each of 3 runs
     python scripts/mutation.py --write-docs        # also replace the table in docs/reliability.md
+    python scripts/mutation.py --check             # only: is every entry's line and test still there?
 """
 
 from __future__ import annotations
@@ -169,12 +170,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not run the tests on the unmutated copy first (they were just run)")
     parser.add_argument("--write-docs", action="store_true", help="replace the table in docs/reliability.md")
     parser.add_argument("--list", action="store_true", help="list the guards and exit")
+    parser.add_argument("--check", action="store_true",
+                        help="only check that every entry's line and tests are in the tree (exit 2 if not)")
     args = parser.parse_args(argv)
     guards = [g for g in GUARDS if not args.only or any(word.lower() in g.name.lower() for word in args.only)]
     if args.list:
         for g in guards:
             print(f"{g.group:12} {g.name}: {g.path}")
         return 0
+    if args.check:
+        missing = [f"{g.name}: {exc}" for g in guards for exc in _lookup_error(REPO, g)]
+        print("\n".join(missing) or f"every one of the {len(guards)} guards' lines and tests is where its entry says")
+        return 2 if missing else 0
     with tempfile.TemporaryDirectory(prefix="torchyard-mutation-") as tmp:
         root = Path(tmp)
         copy_tree(root)
@@ -210,11 +217,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _lookup_error(root: Path, guard: Guard) -> list[str]:
+    """What of the entry is not in the tree at `root`: its line (exactly, at its occurrence), a
+    test file it names, or a test function in it."""
+    errors = []
     try:
         locate((root / guard.path).read_text(), guard)
     except (LookupError, FileNotFoundError) as exc:
-        return [str(exc)]
-    return []
+        errors.append(str(exc))
+    for test in guard.tests:
+        path, _, name = test.partition("::")
+        if not (root / path).is_file():
+            errors.append(f"no test file {path}")
+        elif name and f"def {name.split('[')[0]}(" not in (root / path).read_text():
+            errors.append(f"no test {name} in {path}")
+    return errors
 
 
 if __name__ == "__main__":
