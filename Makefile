@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint setup browser fuzz bench-train bench-predict bench-gpu gpu-smoke compose-test chaos clean
+.PHONY: run test lint setup browser fuzz bench-train bench-predict bench-gpu gpu-smoke compose-test chaos mutation clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -64,6 +64,12 @@ compose-test: $(STAMP)
 CHAOS_ARGS ?= --jobs 200 --faults 50 --long-redis-outage
 chaos: $(STAMP)
 	$(BIN)/python scripts/chaos.py $(CHAOS_ARGS)
+
+# The mutation pass (scripts/mutation.py): each guard in scripts/mutation_guards.py broken by one line in
+# a copy of the tree, its tests run; fails unless every one is caught by the assertion that names it.
+# Not part of `make test`. MUTATION_ARGS=--write-docs puts the result in docs/reliability.md.
+mutation: $(STAMP)
+	$(BIN)/python scripts/mutation.py $(MUTATION_ARGS)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache

@@ -74,7 +74,8 @@ def test_every_route_needs_the_key(keyed_api: str, method: str, path: str) -> No
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY}x"},
                     {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}, {"Authorization": "Bearer"}):
         refused = _send(keyed_api, method, path, headers)
-        assert refused.status_code == 401, (headers, refused.text)
+        assert refused.status_code == 401, (f"{method} {path} was answered {refused.status_code}, not 401, to a wrong or "
+                                            f"missing API key ({headers}): {refused.text[:200]}")
         assert refused.json()["detail"] and refused.headers.get("www-authenticate") == "Bearer"
     allowed = _send(keyed_api, method, path, {"Authorization": f"Bearer {KEY}"})
     assert allowed.status_code != 401, allowed.text
