@@ -170,7 +170,7 @@ class DeviceLoop:
         try:
             if self.health is not None:
                 self.health.inject_fault()  # the CPU twin of a device that breaks mid-forward (tests)
-            probabilities = torch.cat([self._forward(group.entry, group.arrays[i:i + self.max_batch])
+            probabilities = torch.cat([self._forward(group, group.arrays[i:i + self.max_batch])
                                        for i in range(0, len(group.arrays), self.max_batch)])
         except Exception as exc:  # a failure answers its callers and never stops the thread
             self.stats.failed()
@@ -204,13 +204,14 @@ class DeviceLoop:
         if self._most_threads <= 1:
             self.cores_free.set()
 
-    def _forward(self, entry: ResidentModel, arrays: list[np.ndarray]) -> torch.Tensor:
-        """Probabilities (on the host) of `arrays`, padded to a bucketed size where that pays."""
+    def _forward(self, group: PreparedGroup, arrays: list[np.ndarray]) -> torch.Tensor:
+        """Probabilities (on the host) of `arrays` (of `group`'s encoding), padded to a bucketed size where that pays."""
+        forward = group.entry.forward_for(group.encoding)
         assert self._staging is not None
         rows = bucket_size(len(arrays), self.max_batch) if self.pad_to_buckets else len(arrays)
         began = time.perf_counter()
         with torch.inference_mode(), self.stream():  # on a CPU `.cpu()` is the tensor itself
-            out = entry.forward.run(self._staging.upload(arrays, rows))[:len(arrays)].cpu()
+            out = forward.run(self._staging.upload(arrays, rows))[:len(arrays)].cpu()
         self.window.note_forward(time.perf_counter() - began, len(arrays))
         self.stats.record(len(arrays))
         return out
