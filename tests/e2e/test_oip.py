@@ -65,7 +65,7 @@ def test_health_metadata_and_config(oip: triton.InferenceServerClient, cifar_pai
     meta = oip.get_model_metadata(job)
     assert meta["versions"] == ["1"]
     assert {t["name"]: (t["datatype"], t["shape"]) for t in meta["inputs"]} == {
-        "INPUT__0": ("FP32", [-1, 3, 32, 32]), "IMAGE": ("BYTES", [-1])}
+        "INPUT__0": ("FP32", [-1, 3, 32, 32]), "IMAGE": ("BYTES", [-1, 1])}
     assert meta["outputs"][0]["name"] == "OUTPUT__0" and meta["outputs"][0]["shape"] == [-1, 10]
     config = oip.get_model_config(job)
     assert config["max_batch_size"] >= 1

@@ -113,7 +113,7 @@ class OpenInference:
             inputs=[TensorMetadata(name=INPUT_TENSOR, datatype=FP32, shape=[-1, *info.shape],
                                    parameters={"range": [0.0, 1.0], "layout": "NCHW",
                                                "preprocessing": "as exports take it: docs/deploying-models.md"}),
-                    TensorMetadata(name=INPUT_IMAGE, datatype=BYTES, shape=[-1],
+                    TensorMetadata(name=INPUT_IMAGE, datatype=BYTES, shape=[-1, 1],
                                    parameters={"content": "encoded image files (JPEG, PNG, ...), decoded as /predict"})],
             outputs=[TensorMetadata(name=OUTPUT_PROBABILITIES, datatype=FP32, shape=[-1, classes],
                                     parameters={"kind": "probabilities (softmax applied)",
