@@ -46,4 +46,4 @@ def test_perf_analyzer_measures_fp32_rows_and_jpeg_bytes(stack: dict, cifar_pair
     out = _perf_analyzer(stack, job, files, tmp_path, "jpeg")
     assert "Throughput:" in out, out
     stats = stack["client"].get(f"/v2/models/{job}/stats").json()["model_stats"][0]["inference_stats"]
-    assert stats["success"]["count"] == stats["compute_infer"]["count"] > 0 and stats["fail"]["count"] == 0
+    assert stats["success"]["count"] == stats["compute_infer"]["count"] == stats["queue"]["count"] > 0

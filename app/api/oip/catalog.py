@@ -16,6 +16,7 @@ succeeded is what the engine's queueing script checks on every request.
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from core.schemas import Job, JobKind, JobStatus
 from core.storage import validate_id
 
 CACHED_JOBS = 1024
+RESOLVED_S = 1.0  # how long a name's resolution is reused (ModelCatalog.resolve)
 JOB_VERSION = "1"
 
 
@@ -64,9 +66,24 @@ class ModelCatalog:
     def __init__(self, client: aioredis.Redis) -> None:
         self.redis = client
         self._jobs: OrderedDict[str, ModelInfo] = OrderedDict()  # succeeded training jobs only
+        self._resolved: dict[tuple[str, str | None], tuple[float, ModelRef]] = {}  # (name, version) → (when, ref)
 
     async def resolve(self, name: str, version: str | None = None) -> ModelRef:
-        """`name` (and `version`, when given) as a model; 404 when it is none."""
+        """`name` (and `version`, when given) as a model; 404 when it is none. Remembered for
+        RESOLVED_S: an infer would otherwise pay a Redis round trip for it, and what it decides stays
+        right when an alias moves meanwhile (the request goes by the alias, which the engine resolves
+        when it queues it; only the version number reported may lag by that long)."""
+        now = time.monotonic()
+        known = self._resolved.get((name, version))
+        if known is not None and now - known[0] < RESOLVED_S:
+            return known[1]
+        ref = await self._resolve(name, version)
+        if len(self._resolved) >= CACHED_JOBS:
+            self._resolved.clear()
+        self._resolved[(name, version)] = (now, ref)
+        return ref
+
+    async def _resolve(self, name: str, version: str | None) -> ModelRef:
         target = await self.redis.hget(keys.ALIASES, name) if len(name) <= 64 else None
         if target is not None:
             versions = await self._alias_versions(name, target)
