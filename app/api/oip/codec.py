@@ -59,8 +59,9 @@ async def read_body(request: Request, limit: int, on_bytes: Callable[[int], None
     return buffer
 
 
-def parse(buffer: bytearray, header_length: str | None) -> Body:
-    """The JSON header and the binary section's slices; 400 for anything that does not add up."""
+def parse(buffer: bytearray, header_length: str | None, max_json_bytes: int) -> Body:
+    """The JSON header and the binary section's slices; 400 for anything that does not add up, 413
+    for JSON over `max_json_bytes` (parsed, a JSON tensor's numbers take up to 8× their text)."""
     if header_length is None:
         json_end = len(buffer)
     elif not header_length.strip().isdigit() or not 0 < int(header_length) <= len(buffer):
@@ -70,6 +71,9 @@ def parse(buffer: bytearray, header_length: str | None) -> Body:
         json_end = int(header_length)
     if json_end == 0:
         raise BadRequest("the body is empty: send an inference request (JSON)")
+    if json_end > max_json_bytes:
+        raise TooLarge(f"the request's JSON is {json_end} bytes; the limit is {max_json_bytes} "
+                       f"(TORCHYARD_OIP_MAX_JSON_BYTES): send tensors with the binary extension")
     try:
         request = InferenceRequest.model_validate_json(bytes(memoryview(buffer)[:json_end]))
     except ValidationError as exc:

@@ -45,10 +45,11 @@ from core.wire import Encoding, ProbabilitiesResponse
 
 class Inference:
     def __init__(self, engine: PredictionClient, catalog: ModelCatalog, stats: InferenceStats, *,
-                 max_items: int, max_image_bytes: int, max_pixels: int, max_body_bytes: int) -> None:
+                 max_items: int, max_image_bytes: int, max_pixels: int, max_body_bytes: int,
+                 max_json_bytes: int) -> None:
         self.engine, self.catalog, self.stats = engine, catalog, stats
         self.max_items, self.max_image_bytes, self.max_pixels = max_items, max_image_bytes, max_pixels
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes, self.max_json_bytes = max_body_bytes, max_json_bytes
 
     async def answer(self, request: Request, name: str, version: str | None) -> tuple[bytes, int | None]:
         """The answer's body and, with binary outputs, its JSON's length (Inference-Header-Content-Length)."""
@@ -58,7 +59,7 @@ class Inference:
         try:
             try:
                 buffer = await read_body(request, self.max_body_bytes, reservation.reserve)
-                body = parse(buffer, request.headers.get("inference-header-content-length"))
+                body = parse(buffer, request.headers.get("inference-header-content-length"), self.max_json_bytes)
                 call, items = self._call(body, ref)
                 outputs = self._outputs(body)
                 read_ns = time.perf_counter_ns()
@@ -127,6 +128,7 @@ class Inference:
                                  f"({n * row // 4} expected)")
             offset = len(buffer)
             buffer += values.tobytes()
+            tensor.data = None  # the parsed numbers (several times their text) are not held while the worker computes
         items: list[tuple[str | None, int, int]] = [(f"{INPUT_TENSOR}[{i}]", offset + i * row, row) for i in range(n)]
         return PredictForm(buffer, images=items)
 

@@ -58,7 +58,8 @@ class OpenInference:
         catalog, stats = ModelCatalog(engine.redis), InferenceStats()
         inference = Inference(engine, catalog, stats, max_items=settings.max_images_per_request,
                               max_image_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels,
-                              max_body_bytes=settings.max_predict_request_bytes)
+                              max_body_bytes=settings.max_predict_request_bytes,
+                              max_json_bytes=settings.oip_max_json_bytes)
         return cls(catalog, stats, inference, engine, settings.max_images_per_request)
 
     async def respond(self, request: Request) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
