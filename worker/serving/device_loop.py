@@ -28,6 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from core.wire import Encoding
 from worker.device.cpu_threads import HEAVY_FORWARD_S, ForwardThreads
 from worker.device.health import DeviceHealth
 from worker.device.pinning import WorkerDevice
@@ -107,7 +108,7 @@ class DeviceLoop:
         if not self.cores_free.wait(timeout_s):
             log.warning("the /predict forward did not leave the cores within %gs; the job starts anyway", timeout_s)
 
-    def tune(self, entry: ResidentModel) -> None:
+    def tune(self, entry: ResidentModel, encoding: Encoding = "image") -> None:
         """Every batch shape this device will use tuned: run once as the model loads (on the loading
         thread, on the engine's stream), so that cuDNN picks its kernels then and not under traffic:
         on a GPU, the bucketed sizes; waited for on that stream alone, never behind a training
@@ -116,10 +117,11 @@ class DeviceLoop:
             return
         pre = entry.meta.preprocessing
         device = torch.device(self.device.torch_device)
+        dtype = torch.float32 if encoding == "fp32" else torch.uint8  # a preprocessed input's graph: its own shapes
         with torch.inference_mode(), torch.jit.optimized_execution(False), self.stream():
             for size in buckets(self.max_batch):
-                entry.forward.run(torch.zeros((size, pre.channels, pre.height, pre.width), dtype=torch.uint8,
-                                              device=device))
+                entry.forward_for(encoding).run(torch.zeros((size, pre.channels, pre.height, pre.width), dtype=dtype,
+                                                            device=device))
         self.stream.synchronize()
 
     # ------------------------------------------------------------------ the thread

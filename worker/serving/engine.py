@@ -230,9 +230,10 @@ class InferenceServer:
         for (job_id, encoding), group in by_job.items():
             try:
                 entry = self._resident(job_id)
-                if encoding == "fp32":
+                if encoding == "fp32" and entry.preprocessed is None:  # traced and tuned once, as `_resident`'s
                     with self.device_loop.stream():
                         entry.preprocessed_forward(self.cache.device)
+                        self.device_loop.tune(entry, "fp32")
             except CheckpointError as exc:
                 self.transport.send_errors(group, 409, str(exc))
                 continue
