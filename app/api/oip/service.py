@@ -63,7 +63,7 @@ class OpenInference:
         return cls(catalog, stats, inference, engine, settings.max_images_per_request)
 
     async def respond(self, request: Request) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
-        path, method = request.url.path.rstrip("/") or "/", request.method
+        path, method = request.scope["path"].rstrip("/") or "/", request.scope["method"]
         if method == "GET" and path == PREFIX:
             return _json(ServerMetadata(name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS))
         if method == "GET" and path == f"{PREFIX}/health/live":
