@@ -19,12 +19,13 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from pydantic import ValidationError
 from starlette.requests import Request
 
-from app.api.oip.protocol import InferenceRequest, InferenceResponse
+from app.api.oip.protocol import InferenceRequest
 from core.errors import InvalidInput, TooLarge
 
 HEADER_LENGTH = "inference-header-content-length"
@@ -119,9 +120,10 @@ def encode_bytes_elements(elements: list[bytes]) -> bytes:
     return b"".join(_LENGTH.pack(len(e)) + e for e in elements)
 
 
-def encode_response(response: InferenceResponse, binary: list[bytes]) -> tuple[bytes, int | None]:
-    """The answer's body, and its JSON's length when binary outputs follow it (None: JSON only)."""
-    header = orjson.dumps(response.model_dump(exclude_none=True))
+def encode_response(response: dict[str, Any], binary: list[bytes]) -> tuple[bytes, int | None]:
+    """The answer's body (an `InferenceResponse` as plain data), and its JSON's length when binary
+    outputs follow it (None: JSON only)."""
+    header = orjson.dumps(response)
     if not binary:
         return header, None
     return header + b"".join(binary), len(header)

@@ -50,3 +50,29 @@ def test_malformed_json_and_bytes_elements_are_400s_and_json_over_its_cap_a_413(
             split_elements(bytearray(raw), 0, len(raw), "IMAGE")
     with pytest.raises(TooLarge):
         parse(bytearray(b" " * 2048 + _request(0)), None, 1024)
+
+
+def test_the_answer_written_as_plain_data_is_the_protocols_document() -> None:
+    """infer.py writes the answer without pydantic (for speed); it must be the model's document."""
+    from app.api.oip.catalog import ModelInfo, ModelRef
+    from app.api.oip.infer import Inference, _Reply
+    from app.api.oip.protocol import InferenceResponse
+    from app.api.oip.stats import InferenceStats
+
+    header = json.dumps({"id": "r1", "inputs": [{"name": "IMAGE", "shape": [1], "datatype": "BYTES", "data": ["x"]}],
+                         "outputs": [{"name": "OUTPUT__0", "parameters": {"binary_data": True}},
+                                     {"name": "OUTPUT__0", "parameters": {"classification": 2}}]}).encode()
+    body = parse(bytearray(header), None, CAP)
+    inference = Inference(None, None, InferenceStats(), max_items=4, max_image_bytes=CAP, max_pixels=CAP,  # type: ignore[arg-type]
+                          max_body_bytes=CAP, max_json_bytes=CAP)
+    ref = ModelRef("pets", ("j1", "j2"), "2", ModelInfo("j2", "cifar_net", ("a", "b", "c"), (3, 32, 32), True), "pets")
+    reply = _Reply("j1", "cpu0", ["a", "b", "c"], [[0.2, 0.5, 0.3]])
+    raw, length = inference._response(body, ref, reply, inference._outputs(body))
+    assert length is not None
+    document = json.loads(raw[:length])
+    assert InferenceResponse.model_validate(document).model_dump(exclude_none=True) == document
+    assert document["model_version"] == "1" and document["id"] == "r1"  # the job that answered: version 1
+    assert document["outputs"][0]["parameters"] == {"binary_data_size": 12}
+    assert struct.unpack("<3f", raw[length:]) == pytest.approx((0.2, 0.5, 0.3))
+    assert document["outputs"][1] == {"name": "OUTPUT__0", "shape": [1, 2], "datatype": "BYTES",
+                                      "data": ["0.500000:1:b", "0.300000:2:c"]}
