@@ -184,6 +184,20 @@ def test_every_refusal_in_the_protocols_shape(oip: triton.InferenceServerClient,
         headers = {"Inference-Header-Content-Length": str(length)} if length is not None else {}
         response = httpx.post(url, content=body, headers=headers)
         assert response.status_code == 400 and "error" in response.json(), (body, response.text)
+    # Hostile JSON requests: each refused with its reason, none reaches a worker, never a 500.
+    row = {"name": "INPUT__0", "shape": [1, 3, 32, 32], "datatype": "FP32", "data": [0.5] * 3072}
+    for document, status in (
+            ({"inputs": [{**row, "data": [[0.5, 0.5], [0.5]]}]}, 400),  # ragged
+            ({"inputs": [{**row, "data": [{"a": 1}] * 3072}]}, 400),  # not numbers
+            ({"inputs": [{**row, "shape": [0, 3, 32, 32]}]}, 400),
+            ({"inputs": [row, row]}, 400),
+            ({"inputs": [row], "outputs": [{"name": "LOGITS"}]}, 400),
+            ({"inputs": [row], "outputs": [{"name": "OUTPUT__0", "parameters": {"classification": "x"}}]}, 400),
+            ({"inputs": [{"name": "IMAGE", "shape": [1], "datatype": "BYTES", "data": ["\ud800"]}]}, 400),  # JSON refuses it
+            ({"inputs": [{"name": "IMAGE", "shape": [1], "datatype": "BYTES", "data": [7]}]}, 400),
+            ({"inputs": [{"name": "IMAGE", "shape": [1], "datatype": "BYTES", "data": ["not an image"]}]}, 415)):
+        response = httpx.post(url, content=json.dumps(document).encode())
+        assert response.status_code == status and response.json()["error"], (document.get("outputs"), response.text)
     # A declared body over the cap is refused on its headers, in the protocol's shape too.
     with socket.create_connection(("127.0.0.1", stack["port"]), timeout=30) as conn:
         conn.sendall(f"POST /v2/models/{job}/infer HTTP/1.1\r\nHost: localhost\r\n"

@@ -149,7 +149,7 @@ class Inference:
                                  f"with the binary extension)")
             elements = []
             for element in flat:
-                encoded = element.encode()
+                encoded = element.encode("utf-8", "surrogatepass")  # a lone surrogate is bytes too (415 below)
                 elements.append((len(buffer), len(encoded)))
                 buffer += encoded
         if len(elements) != n:

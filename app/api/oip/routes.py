@@ -24,7 +24,7 @@ import logging
 
 import orjson
 import redis
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
 from app.api.front import BodyTimeout, BodyTooLarge, DirectRoute
@@ -47,6 +47,8 @@ async def serve(scope: Scope, receive: Receive, send: Send) -> None:
         status, body, headers = 503, _error(f"Redis is unavailable, retry shortly: {exc}"), [(b"retry-after", b"2")]
     except (BodyTooLarge, BodyTimeout):
         raise  # the gate answers these itself, in this route's error shape
+    except ClientDisconnect:
+        return  # nobody to answer
     except Exception as exc:
         log.error("unhandled %s on %s %s", type(exc).__name__, scope["method"], scope["path"], exc_info=exc)
         status, body = 500, _error(f"internal error ({type(exc).__name__}); see the API log")
