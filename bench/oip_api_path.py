@@ -46,7 +46,7 @@ def build() -> tuple[Any, dict[str, bytes]]:
     async def answered_at_once(call: Any) -> bytes:
         return probabilities if call.reply == "probabilities" else top
 
-    services.predictions.predict = answered_at_once
+    services.predictions.predict = answered_at_once  # type: ignore[method-assign]
     jpeg, rows = sample_jpeg()
     return app, requests_for(8000, "job1", jpeg, rows)
 
