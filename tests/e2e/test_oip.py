@@ -140,6 +140,8 @@ def test_alias_versions_and_statistics(oip: triton.InferenceServerClient, stack:
     counts = {stage: stats["2"]["inference_stats"][stage]["count"]
               for stage in ("success", "queue", "compute_input", "compute_infer", "compute_output")}
     assert set(counts.values()) == {2}, counts
+    everything = {(s["name"], s["version"]) for s in oip.get_inference_statistics()["model_stats"]}
+    assert {("oip-pets", "1"), ("oip-pets", "2")} <= everything
     index = {(m["name"], m["version"], m["state"]) for m in oip.get_model_repository_index()}
     assert ("oip-pets", "2", "READY") in index and (first, "1", "READY") in index
 

@@ -76,7 +76,7 @@ class OpenInference:
                        for n, v, ready in await self.catalog.index()]
             return 200, orjson.dumps(entries), [(b"content-type", b"application/json")]
         if method == "GET" and path == f"{PREFIX}/models/stats":
-            raise NotFound("name a model: GET /v2/models/{name}/stats")
+            return _json(ModelStatsList(model_stats=self.stats.every()))
         match = _MODEL.match(path)
         if match is None:
             raise NotFound(f"{method} {path[:200]} is not an endpoint of the protocol")

@@ -66,6 +66,10 @@ class InferenceStats:
         return [self._document(name, version, self._by_model.get((name, version)) or _Counters())
                 for version in versions]
 
+    def every(self) -> list[ModelStats]:
+        """Every (model, version) this process served or failed, oldest first."""
+        return [self._document(name, version, counters) for (name, version), counters in self._by_model.items()]
+
     @staticmethod
     def _document(name: str, version: str, counters: _Counters) -> ModelStats:
         count = counters.success[0]
