@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint setup browser perf-analyzer fuzz bench-train bench-predict bench-oip bench-gpu gpu-smoke compose-test chaos clean
+.PHONY: run test lint setup browser fuzz bench-train bench-predict bench-gpu gpu-smoke compose-test chaos clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,8 @@ browser:
 	@test -x /usr/bin/chromium || ! command -v apt-get >/dev/null || \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 	  echo "chromium could not be installed: the dashboard's browser test will skip"
+
+.PHONY: perf-analyzer bench-oip
 
 # Triton's perf_analyzer into .tools/perf_analyzer/ from the package registries (PyPI, Debian), for the
 # Open Inference Protocol's test and bench. Best effort: without it only that test skips, saying why.
@@ -77,4 +79,4 @@ chaos: $(STAMP)
 	$(BIN)/python scripts/chaos.py $(CHAOS_ARGS)
 
 clean:
-	rm -rf $(VENV) var .pytest_cache .tools
+	rm -rf $(VENV) var .pytest_cache
