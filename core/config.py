@@ -235,6 +235,11 @@ class Settings(BaseSettings):
     keep_unused_datasets_days: float = Field(default=0, ge=0, description="Uploads no job used for this long. 0: forever.")
     cleanup_interval_s: float = Field(default=3600, gt=0, description="How often one API process runs the cleanup.")
 
+    # --- the Open Inference Protocol (/v2, app/api/oip/) -------------------------------------
+    oip_max_json_bytes: int = Field(
+        default=8 * 1024**2, ge=1024,
+        description="Largest JSON part of a /v2 infer request (parsed, JSON numbers take up to 8× their text): 413.")
+
     @field_validator("devices")
     @classmethod
     def _known_devices(cls, value: str) -> str:
