@@ -170,8 +170,8 @@ GUARDS: tuple[Guard, ...] = (
           ("tests/e2e/test_input_limits.py",), "json of exactly MAX_JSON_BYTES, chunked: 413", group="edges"),
     # ---------------------------------------------------------------- #41: the refusal closes
     Guard("a refusal before the body is read closes the connection", "app/api/front.py",
-          "await _reply(send, refusal.status, refusal.detail, close=head.has_body, headers=refusal.headers)",
-          "await _reply(send, refusal.status, refusal.detail, close=False, headers=refusal.headers)",
+          "await _reply(send, refusal.status, refusal.detail, close=head.has_body, headers=refusal.headers, key=key)",
+          "await _reply(send, refusal.status, refusal.detail, close=False, headers=refusal.headers, key=key)",
           ("tests/e2e/test_security.py::test_a_300_mib_unauthenticated_body_is_refused_after_a_few_mib",),
           "left the connection open", group="close"),
 )
