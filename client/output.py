@@ -21,7 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from core.kinds import BatchPredictParams, EvaluateParams, TrainingParams, params_of
-from core.schemas import Alias, AliasUpdate, Evaluation, EvaluationResult, Job, PredictResponse
+from core.schemas import Alias, AliasUpdate, Evaluation, EvaluationResult, Job, MlflowRun, PredictResponse
 
 # A pipe or a log has no width: never wrap a row there (scripts grep lines).
 _PIPE_WIDTH = 1000
@@ -172,6 +172,8 @@ def job_report(out: Console, job: Job) -> None:
                                    f"sha256 {job.checkpoint.sha256[:12]}…)"))
     if job.error:
         rows.append(("error", job.error))
+    if job.mlflow is not None:
+        rows.append(("mlflow", mlflow_line(job.mlflow)))
     record = Table.grid(padding=(0, 2))
     record.add_column(no_wrap=True)
     record.add_column()
@@ -197,6 +199,14 @@ def job_report(out: Console, job: Job) -> None:
               [[e.id, e.dataset_name or e.dataset, e.status.value, str(e.result.num_images) if e.result else "-",
                 pct(e.result.accuracy if e.result else None), num(e.result.loss if e.result else None),
                 e.created_at.strftime("%Y-%m-%d %H:%M:%S")] for e in job.evaluations])
+
+
+def mlflow_line(run: MlflowRun) -> str:
+    """Where the job's MLflow run is, and what it does not hold yet (the server away)."""
+    where = (run.url or run.run_id or "no run yet") + (f" ({run.status})" if run.status else "")
+    if not run.behind:
+        return where
+    return f"{where}; behind: {', '.join(run.behind)}" + (f" ({run.error})" if run.error else "")
 
 
 def per_class_lines(out: Console, per_class: dict[str, float]) -> None:

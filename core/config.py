@@ -240,6 +240,18 @@ class Settings(BaseSettings):
         default=8 * 1024**2, ge=1024,
         description="Largest JSON part of a /v2 infer request (parsed, JSON numbers take up to 8× their text): 413.")
 
+    # --- MLflow tracking and the model registry (docs/training.md "Tracking in MLflow") -----------
+    mlflow_tracking_uri: str | None = Field(
+        default=None, description="An MLflow tracking server (http://host:5000): every training job becomes a run "
+                                  "there, aliases registered models. Unset: nothing is sent. Credentials: MLflow's "
+                                  "own MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN.")
+    mlflow_experiment: str = Field(default="torchyard", min_length=1, description="The experiment of the jobs' runs.")
+    mlflow_poll_s: float = Field(default=1.0, gt=0, le=60, description="How often a worker's tracking thread looks "
+                                                                        "for what the runs do not hold yet.")
+    mlflow_backoff_max_s: float = Field(default=30.0, gt=0, description="Longest wait between attempts while the "
+                                                                        "tracking server is away.")
+    mlflow_request_timeout_s: float = Field(default=10.0, gt=0, description="One request to the tracking server.")
+
     @field_validator("devices")
     @classmethod
     def _known_devices(cls, value: str) -> str:

@@ -43,6 +43,11 @@ Layout::
     ty:device:<id>:slot              hash   what the device's worker is doing: reserved for a gang's rank,
                                             held for a waiting gang, or busy with a job (and maybe promised
                                             to a waiting gang for when it ends; absent: free); core/devices/slots.py
+    ty:mlflow:pending                zset   job id -> when (Redis time) a worker's tracking thread tries its MLflow
+                                            run next (core/tracking.py)
+    ty:mlflow:lock:<job id>          string the worker shipping that job's run now (TTL)
+    ty:mlflow:aliases                hash   alias name -> the job its MLflow `current` alias points at
+    ty:mlflow:aliases:lock           string the worker syncing the aliases to MLflow's registry now (TTL)
 """
 
 from __future__ import annotations
@@ -150,3 +155,13 @@ def gang(job_id: str) -> str:
 
 def device_slot(device_id: str) -> str:
     return f"{PREFIX}device:{device_id}:slot"
+
+
+# --- MLflow tracking (core/tracking.py, worker/tracking/) ----------------------------------------
+MLFLOW_PENDING = f"{PREFIX}mlflow:pending"
+MLFLOW_ALIASES = f"{PREFIX}mlflow:aliases"
+MLFLOW_ALIASES_LOCK = f"{PREFIX}mlflow:aliases:lock"
+
+
+def mlflow_lock(job_id: str) -> str:
+    return f"{PREFIX}mlflow:lock:{job_id}"

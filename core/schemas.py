@@ -163,6 +163,21 @@ class DeviceChoices(BaseModel):
             return None
 
 
+class MlflowRun(BaseModel):
+    """A job's run on the MLflow tracking server, as its record tells (core/tracking.py)."""
+
+    run_id: str | None = Field(default=None, description="The run, once the tracking server created it.")
+    experiment_id: str | None = None
+    url: str | None = Field(default=None, description="The run's page on the tracking server.")
+    status: str | None = Field(default=None, description="The run's status as last sent: RUNNING, then FINISHED, "
+                                                         "FAILED or KILLED once it holds everything.")
+    epochs_logged: int = Field(default=0, description="Epochs of the job's metrics the run holds.")
+    behind: list[str] = Field(default=[], description="What the run does not hold yet (epochs, status, artifacts); "
+                                                      "empty once the run is complete.")
+    error: str | None = Field(default=None, description="Why the last attempt to reach the server failed, while "
+                                                        "something is behind.")
+
+
 class Job(BaseModel):
     model_config = ConfigDict(protected_namespaces=())
 
@@ -202,6 +217,8 @@ class Job(BaseModel):
     ranks: list[GangRank] | None = Field(
         default=None, description="A data-parallel job: the ranks of its current (or last) attempt, rank 0 first; "
                                   "fewer than world_size after an elastic resume.")
+    mlflow: MlflowRun | None = Field(
+        default=None, description="Its MLflow run, when the service tracks to MLflow (TORCHYARD_MLFLOW_TRACKING_URI).")
 
     @model_validator(mode="before")
     @classmethod

@@ -28,7 +28,7 @@ EVENTS_MAXLEN = 5000
 # Fields stored as JSON in the job's hash; a kind that records a structured field of its own adds
 # its name here so readers decode it (worker/runtime/job_context.py).
 JSON_FIELDS = ("params", "device_choices", "progress", "metrics", "checkpoint", "classes", "evaluation", "results",
-               "resume_at", "ranks")
+               "resume_at", "ranks", "mlflow")
 
 
 def new_job_id() -> str:

@@ -31,13 +31,14 @@ MIN_WORKER_STOP_GRACE_S = 60
 
 def test_compose_has_the_expected_services_and_profiles():
     services = load_compose()["services"]
-    for name in ("redis", "api", "worker-gpu0", "worker-gpu1", "worker-cpu", "flower"):
+    for name in ("redis", "api", "worker-gpu0", "worker-gpu1", "worker-cpu", "flower", "mlflow"):
         assert name in services, f"service {name} missing"
     # Default set on an NVIDIA host: redis, api and the GPU workers (no profile).
     for name in ("redis", "api", "worker-gpu0", "worker-gpu1"):
         assert not services[name].get("profiles"), f"{name} must start by default"
     assert services["worker-cpu"].get("profiles") == ["cpu"]
     assert services["flower"].get("profiles") == ["flower"]
+    assert services["mlflow"].get("profiles") == ["mlflow"]  # the tracking server, optional
 
 
 def test_every_gpu_worker_reserves_exactly_one_distinct_nvidia_gpu():

@@ -12,7 +12,7 @@ from pathlib import Path
 from tests.support import REPO
 
 WORKER = REPO / "worker"
-ROOMS = {"runtime", "device", "training", "data", "checkpoints", "kinds", "serving", "gang"}
+ROOMS = {"runtime", "device", "training", "data", "checkpoints", "kinds", "serving", "gang", "tracking"}
 
 
 def _room(module: str) -> str | None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from core import tracking
 from core.config import Settings
 from core.datasets import DatasetCatalog
 from core.errors import NotFound
@@ -116,6 +117,9 @@ class JobRunner:
         job_id = delivery.job_id
         try:
             job = delivery.call(self.store.get, job_id)
+            if self.settings.mlflow_tracking_uri and job.kind in (JobKind.train, JobKind.evaluate):
+                # Its MLflow run is the tracking thread's (worker/tracking/): one ZADD here, nothing in the loop.
+                delivery.call(tracking.enlist, self.store.redis, job_id)
             handler = handler or HANDLERS.get(job.kind)
             if handler is None:
                 raise JobFailed(f"this worker cannot run jobs of kind {job.kind!r}")

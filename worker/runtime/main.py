@@ -143,6 +143,16 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     heartbeat.beat()
     heartbeat.start()
     inference.start()
+    tracker = None
+    if settings.mlflow_tracking_uri:  # jobs' runs on an MLflow server, off the training loop
+        from worker.tracking.tracker import Tracker, client_missing
+
+        if client_missing():
+            log.error("TORCHYARD_MLFLOW_TRACKING_URI is set but MLflow's client is not installed "
+                      "(pip install '.[mlflow]'): jobs run, nothing is tracked")
+        else:
+            tracker = Tracker(client, settings)
+            tracker.start()
     log.info("worker %s on %s (torch %s, CUDA_VISIBLE_DEVICES=%r)", device.worker_name, device.id,
              torch.__version__, os.environ.get("CUDA_VISIBLE_DEVICES"))
     worker = celery.Worker(hostname=device.worker_name, pool="solo", concurrency=1,
@@ -154,6 +164,8 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
         state.shutdown.set()
         inference.stop()
         heartbeat.stop()
+        if tracker is not None:
+            tracker.stop()
         _current = None
     if state.out_of_service.is_set():
         _exit_out_of_service()

@@ -48,6 +48,11 @@ export function describe(job) {
     parts.push([`${(p.format || "").toUpperCase()} export of job `, jobLink(p.source_job_id), ` (${job.model})`], where);
     if (p.checkpoint_sha256) parts.push(`checkpoint sha256 ${p.checkpoint_sha256.slice(0, 12)}…`);
   }
+  const run = job.mlflow;  // its MLflow run, when the service tracks to one (docs/training.md)
+  if (run && run.url && /^https?:\/\//.test(run.url)) {
+    parts.push([el("a", { class: "mlflow-run", href: run.url, target: "_blank", rel: "noopener noreferrer" }, "MLflow run"),
+      run.behind && run.behind.length ? ` (behind: ${run.behind.join(", ")})` : ""]);
+  } else if (run && run.behind && run.behind.length) parts.push(`MLflow: behind (${run.behind.join(", ")})`);
   if (job.error) parts.push(`error: ${job.error}`);
   else if (job.message && !TERMINAL.has(job.status)) parts.push(job.message);
   return parts;
