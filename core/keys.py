@@ -43,6 +43,14 @@ Layout::
     ty:device:<id>:slot              hash   what the device's worker is doing: reserved for a gang's rank,
                                             held for a waiting gang, or busy with a job (and maybe promised
                                             to a waiting gang for when it ends; absent: free); core/devices/slots.py
+    ty:sweeps                        zset   every sweep id (lexicographic = chronological): core/sweeps/
+    ty:sweeps:active                 set    sweeps with a trial still to ask or to tell (the API's tick)
+    ty:sweeps:<id>                   hash   a sweep's record: its request, status, outcome
+    ty:sweeps:<id>:jobs              hash   trial number -> its training job (and trial number -> error)
+    ty:sweeps:<id>:events            stream trial and status events, SSE ids
+    ty:sweeps:<id>:lock              string the process that advances the sweep now (short TTL)
+    ty:sweeps:idem:<key>             string POST /sweeps' Idempotency-Key -> {"sweep", "body"} (24 h)
+    ty:optuna:*                      Optuna's journal (JournalRedisBackend, prefix ty:optuna:): one study per sweep
 """
 
 from __future__ import annotations
@@ -150,3 +158,29 @@ def gang(job_id: str) -> str:
 
 def device_slot(device_id: str) -> str:
     return f"{PREFIX}device:{device_id}:slot"
+
+
+# --- sweeps (core/sweeps/) ---------------------------------------------------------------------
+SWEEPS_INDEX = f"{PREFIX}sweeps"
+SWEEPS_ACTIVE = f"{PREFIX}sweeps:active"
+OPTUNA_PREFIX = f"{PREFIX}optuna:"
+
+
+def sweep(sweep_id: str) -> str:
+    return f"{PREFIX}sweeps:{sweep_id}"
+
+
+def sweep_jobs(sweep_id: str) -> str:
+    return f"{PREFIX}sweeps:{sweep_id}:jobs"
+
+
+def sweep_events(sweep_id: str) -> str:
+    return f"{PREFIX}sweeps:{sweep_id}:events"
+
+
+def sweep_lock(sweep_id: str) -> str:
+    return f"{PREFIX}sweeps:{sweep_id}:lock"
+
+
+def sweep_idempotency(key: str) -> str:
+    return f"{PREFIX}sweeps:idem:{key}"

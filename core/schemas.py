@@ -202,6 +202,9 @@ class Job(BaseModel):
     ranks: list[GangRank] | None = Field(
         default=None, description="A data-parallel job: the ranks of its current (or last) attempt, rank 0 first; "
                                   "fewer than world_size after an elastic resume.")
+    # --- a sweep's trial (core/sweeps/) -------------------------------------------------------
+    sweep_id: str | None = Field(default=None, description="The sweep this job is a trial of.")
+    trial: int | None = Field(default=None, description="Its trial's number in that sweep.")
 
     @model_validator(mode="before")
     @classmethod

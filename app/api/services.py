@@ -24,6 +24,8 @@ from core.redis import connect, connect_async
 from core.retention import JobDeletion, Retention
 from core.schemas import Job
 from core.storage import CheckpointPaths
+from core.sweeps.coordinator import SweepCoordinator
+from core.sweeps.records import SweepRecords
 
 
 @dataclass
@@ -42,6 +44,7 @@ class Services:
     retention: Retention
     evaluations: Evaluations
     batch_predictions: BatchPredictions
+    sweeps: SweepCoordinator
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -64,7 +67,9 @@ class Services:
                    exports=exports,
                    deletion=deletion, retention=Retention(settings, client, jobs, datasets, deletion),
                    evaluations=Evaluations(jobs, datasets, devices, settings),
-                   batch_predictions=BatchPredictions(jobs, datasets, devices, settings))
+                   batch_predictions=BatchPredictions(jobs, datasets, devices, settings),
+                   sweeps=SweepCoordinator(SweepRecords(client), jobs, JobSubmission(jobs, datasets, devices, settings),
+                                           devices, url))
 
     async def close(self) -> None:
         await self.predictions.close()
