@@ -1,0 +1,172 @@
+"""Sweeps through HTTP on real processes: the 422s, a small grid sweep to its end with one trial
+pruned, a cancel, the Idempotency-Key, and the API SIGKILLed mid-sweep (then a worker) without a
+trial lost, asked twice or run twice. Every sweep is cifar_net on `fake`, one or two epochs."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.support import TERMINAL, free_port, get_job, own_api, wait_for_job, wait_until
+
+pytestmark = pytest.mark.e2e
+
+BASE = {"model": "cifar_net", "dataset": "fake", "epochs": 2, "patience": 0}
+SWEEP_END = {"succeeded", "failed", "cancelled"}
+
+
+def sweep_body(**changes: object) -> dict:
+    body = {"base": BASE, "space": {"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}},
+            "trials": 2, "parallel": 1, "sampler": "random", "pruner": "none"}
+    return {**body, **changes}
+
+
+def wait_for_sweep(client: httpx.Client, sweep_id: str, timeout: float = 240) -> dict:
+    def ended() -> dict | None:
+        sweep = client.get(f"/sweeps/{sweep_id}").json()
+        done = sweep["status"] in SWEEP_END and all(t["state"] != "running" for t in sweep["trials"])
+        return sweep if done else None
+
+    return wait_until(ended, timeout=timeout, interval=0.5, what=f"sweep {sweep_id} to end")
+
+
+def sweep_jobs(client: httpx.Client, sweep_id: str) -> list[dict]:
+    """Every job whose record says it is a trial of this sweep (all jobs, from the job list)."""
+    jobs = client.get("/jobs", params={"limit": 500}).json()["jobs"]
+    return [j for j in jobs if j.get("sweep_id") == sweep_id]
+
+
+def assert_one_job_per_trial(client: httpx.Client, sweep: dict) -> None:
+    """The study and the jobs agree one to one: each trial names its own job, which names it back,
+    and no job claims a trial the study does not hold; no job trained an epoch twice."""
+    trials = sweep["trials"]
+    assert [t["number"] for t in trials] == list(range(len(trials)))
+    by_job = {t["job_id"]: t["number"] for t in trials}
+    assert None not in by_job and len(by_job) == len(trials), trials
+    tagged = {j["id"]: j["trial"] for j in sweep_jobs(client, sweep["id"])}
+    assert tagged == by_job
+    for job_id in by_job:
+        epochs = [m["epoch"] for m in get_job(client, job_id)["metrics"]]
+        assert epochs == list(range(1, len(epochs) + 1)), (job_id, epochs)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"space": {"dataset": {"type": "categorical", "choices": ["fake"]}}}, "space.dataset"),
+    ({"space": {"colour": {"type": "categorical", "choices": [1]}}}, "space.colour"),
+    ({"space": {"learning_rate": {"type": "float", "low": 0.1, "high": 0.1}}}, "space.learning_rate"),
+    ({"space": {"weight_decay": {"type": "float", "low": 0, "high": 0.1, "log": True}}}, "space.weight_decay"),
+    ({"space": {"batch_size": {"type": "categorical", "choices": []}}}, "space.batch_size.choices"),
+    ({"space": {"batch_size": {"type": "categorical", "choices": [32, 0]}}}, "space.batch_size.choices[1]"),
+    ({"sampler": "grid"}, "space.learning_rate"),
+    ({"trials": 100_000}, "trials"),
+    ({"parallel": 0}, "parallel"),
+    ({"metric": "val_f1"}, "metric"),
+    ({"metric": "val_loss", "base": {**BASE, "val_fraction": 0}}, "metric"),
+    ({"base": {**BASE, "model": "no_such_net"}}, "no_such_net"),
+    ({"base": {**BASE, "epochs": 0}}, "epochs"),
+])
+def test_a_bad_sweep_is_refused_naming_the_field(stack: dict, change: dict, field: str) -> None:
+    client = stack["client"]
+    before = client.get("/sweeps").json()["sweeps"]
+    reply = client.post("/sweeps", json=sweep_body(**change))
+    assert reply.status_code == 422, reply.text
+    assert field in reply.json()["detail"], reply.json()
+    assert client.get("/sweeps").json()["sweeps"] == before
+
+
+def test_a_grid_sweep_runs_its_trials_as_jobs_and_prunes_the_hopeless_one(stack: dict) -> None:
+    """Two trials of a 2×2 grid, one at a time, the median pruner judging from the first complete
+    trial on: the seed puts lr 0.03 first and lr 1e-7 (which learns nothing) second. The second is
+    pruned after its first epoch: its job succeeded with its best weights and says why."""
+    client = stack["client"]
+    body = sweep_body(space={"learning_rate": {"type": "categorical", "choices": [0.03, 1e-7]},
+                             "weight_decay": {"type": "categorical", "choices": [0.0, 0.01]}},
+                      trials=2, sampler="grid", pruner="median", startup_trials=1, seed=6)
+    created = client.post("/sweeps", json=body, headers={"Idempotency-Key": "grid-sweep"})
+    assert created.status_code == 201, created.text
+    sweep_id = created.json()["id"]
+    again = client.post("/sweeps", json=body, headers={"Idempotency-Key": "grid-sweep"})
+    assert (again.status_code, again.json()["id"]) == (200, sweep_id)
+    other = client.post("/sweeps", json={**body, "seed": 7}, headers={"Idempotency-Key": "grid-sweep"})
+    assert other.status_code == 422 and "Idempotency-Key" in other.json()["detail"]
+
+    sweep = wait_for_sweep(client, sweep_id)
+    assert sweep["status"] == "succeeded", sweep
+    first, hopeless = sweep["trials"]
+    assert first["params"]["learning_rate"] == 0.03 and first["state"] == "complete" and first["epoch"] == 2
+    assert hopeless["params"]["learning_rate"] == 1e-7 and hopeless["state"] == "pruned", hopeless
+    assert hopeless["epoch"] == 1
+    job = get_job(client, hopeless["job_id"])
+    assert job["status"] == "succeeded" and job["stop_reason"].startswith("pruned by the sweep"), job
+    assert job["checkpoint"] is not None and job["best_epoch"] == 1
+    assert sweep["best"]["params"]["learning_rate"] == 0.03
+    assert sweep["best"]["value"] == max(t["value"] for t in sweep["trials"] if t["state"] == "complete")
+    assert set(sweep["importances"]) == {"learning_rate", "weight_decay"}
+    assert_one_job_per_trial(client, sweep)
+
+    with client.stream("GET", f"/sweeps/{sweep_id}/events") as events:
+        lines = [line for line in events.iter_lines() if line.startswith("data:")]
+    told = [json.loads(line[5:]) for line in lines]
+    assert told[-1] == {"status": "succeeded"}
+    assert [e["state"] for e in told if e.get("number") == 1] == ["running", "pruned"]
+    assert client.delete(f"/sweeps/{sweep_id}").status_code == 204
+    assert client.get(f"/sweeps/{sweep_id}").status_code == 404
+    assert get_job(client, first["job_id"])["status"] == "succeeded"  # its trials' jobs stay
+
+
+def test_cancel_stops_the_running_trial_and_asks_no_more(stack: dict) -> None:
+    client = stack["client"]
+    created = client.post("/sweeps", json=sweep_body(base={**BASE, "epochs": 50}, trials=4))
+    assert created.status_code == 201, created.text
+    sweep_id = created.json()["id"]
+    job_id = wait_until(lambda: (t := client.get(f"/sweeps/{sweep_id}").json()["trials"]) and t[0]["job_id"],
+                        timeout=30, what="the first trial's job")
+    wait_until(lambda: get_job(client, job_id)["status"] == "running", timeout=120, what="the trial running")
+    cancelled = client.post(f"/sweeps/{sweep_id}/cancel")
+    assert cancelled.status_code == 202 and cancelled.json()["status"] == "cancelled"
+    assert wait_for_job(client, job_id, TERMINAL, timeout=60)["status"] == "cancelled"
+    sweep = wait_for_sweep(client, sweep_id, timeout=60)
+    assert sweep["status"] == "cancelled" and [t["state"] for t in sweep["trials"]] == ["failed"]
+    assert client.post(f"/sweeps/{sweep_id}/cancel").status_code == 409
+
+
+def test_an_api_killed_mid_sweep_and_a_killed_worker_lose_no_trial_and_run_none_twice(
+        clean_redis_url: str, tmp_path: Path) -> None:
+    """Two trials at once on two workers; the API is SIGKILLed as soon as the first trials' jobs
+    exist and restarted, then one trial's worker is SIGKILLed mid-epoch (its job is redelivered to a
+    new worker). The sweep ends with exactly `trials` trials, one job each, each job trained once."""
+    with own_api(clean_redis_url, tmp_path, TORCHYARD_LEASE_TTL_S="3") as own:
+        procs, client = own["procs"], own["client"]
+        workers = [procs.worker("cpu", name=f"sw{k}", TORCHYARD_NODE_NAME=f"sw{k}") for k in range(2)]
+        wait_until(lambda: len(client.get("/devices").json()["devices"]) == 2, timeout=120, what="two workers")
+        created = client.post("/sweeps", json=sweep_body(base={**BASE, "epochs": 3}, trials=4, parallel=2))
+        assert created.status_code == 201, created.text
+        sweep_id = created.json()["id"]
+        assert len(created.json()["trials"]) == 2  # asked at once, up to `parallel`
+
+        api = next(p for p in procs.procs if p.log_path.name == "api.log")
+        procs.stop(api, signal.SIGKILL)
+        port = free_port()
+        procs.api(port)
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+        wait_until(lambda: client.get("/healthz").status_code == 200, timeout=60, what="the restarted API")
+
+        running = wait_until(lambda: [t for t in client.get(f"/sweeps/{sweep_id}").json()["trials"]
+                                      if t["job_status"] == "running" and t["epoch"] >= 1],
+                             timeout=180, what="a trial past its first epoch")
+        victim = get_job(client, running[0]["job_id"])
+        node = victim["device"].split("/")[0]
+        procs.stop(workers[int(node.removeprefix("sw"))], signal.SIGKILL)
+        procs.worker("cpu", name="sw9", TORCHYARD_NODE_NAME="sw9")
+
+        sweep = wait_for_sweep(client, sweep_id, timeout=300)
+        assert sweep["status"] == "succeeded", sweep
+        assert len(sweep["trials"]) == 4 and all(t["state"] == "complete" for t in sweep["trials"]), sweep["trials"]
+        assert_one_job_per_trial(client, sweep)
+        redelivered = get_job(client, victim["id"])
+        assert redelivered["attempts"] == 2 and len(redelivered["metrics"]) == 3, redelivered
+        client.close()
