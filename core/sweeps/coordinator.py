@@ -31,7 +31,7 @@ from core.jobs import JobStore
 from core.kinds.train.submit import JobSubmission
 from core.schemas import Job, JobStatus
 from core.sweeps import study as studies
-from core.sweeps.records import TERMINAL_STATUSES, SweepRecords
+from core.sweeps.records import TERMINAL_STATUSES, SweepLock, SweepRecords
 from core.sweeps.spec import Sweep, SweepSpec, SweepTrial, check_sweep, is_pruned, trial_body
 
 log = logging.getLogger(__name__)
@@ -121,11 +121,11 @@ class SweepCoordinator:
     def advance(self, sweep_id: str) -> None:
         """Tell the trials whose jobs ended, ask for new ones up to `parallel` running and `trials` in
         all, and end the sweep once every trial was told. Idempotent; one process at a time."""
-        with self.records.lock(sweep_id) as held:
-            if held:
-                self._advance(sweep_id)
+        with self.records.lock(sweep_id) as lock:
+            if lock is not None:
+                self._advance(sweep_id, lock)
 
-    def _advance(self, sweep_id: str) -> None:
+    def _advance(self, sweep_id: str, lock: SweepLock) -> None:
         raw = self.records.get(sweep_id)
         spec = SweepSpec.model_validate_json(raw["spec"])
         cancelled = raw["status"] == "cancelled"
@@ -137,30 +137,33 @@ class SweepCoordinator:
                 continue
             job_id = jobs.get(trial.number)
             if job_id is None:  # asked, then the process died before its job was recorded
-                if cancelled:
+                if cancelled or trial.number >= spec.trials:
                     self._tell(sweep_id, study, trial.number, TrialState.FAIL, None, 0)
                 else:
                     self._submit(sweep_id, spec, study, trial.number, trial.params)
                 continue
             self._follow(sweep_id, spec, study, trial.number, job_id, cancelled)
         if not cancelled:
-            self._ask(sweep_id, spec, int(raw["parallel"]))
+            self._ask(sweep_id, spec, int(raw["parallel"]), lock)
         trials = studies.open_study(self.redis_url, sweep_id, spec).get_trials(deepcopy=False)
         if any(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in trials):
             return
         if cancelled or len(trials) >= spec.trials:
             self._finish(sweep_id, spec, cancelled, trials)
 
-    def _ask(self, sweep_id: str, spec: SweepSpec, parallel: int) -> None:
+    def _ask(self, sweep_id: str, spec: SweepSpec, parallel: int, lock: SweepLock) -> None:
         distributions = studies.distributions(spec)
         while True:
-            study = studies.open_study(self.redis_url, sweep_id, spec, asked=0)
-            trials = study.get_trials(deepcopy=False)
+            trials = studies.open_study(self.redis_url, sweep_id, spec).get_trials(deepcopy=False)
             running = sum(t.state in (TrialState.RUNNING, TrialState.WAITING) for t in trials)
-            if running >= parallel or len(trials) >= spec.trials:
+            if running >= parallel or len(trials) >= spec.trials or not lock.renew():
                 return
             study = studies.open_study(self.redis_url, sweep_id, spec, asked=len(trials))
             trial = study.ask(distributions)
+            if trial.number >= spec.trials:  # another process asked meanwhile (its lock lapsed): no job
+                self.records.set_trial_error(sweep_id, trial.number, "asked beyond the sweep's trials; not run")
+                self._tell(sweep_id, study, trial.number, TrialState.FAIL, None, 0)
+                return
             self._submit(sweep_id, spec, study, trial.number, trial.params)
 
     def _submit(self, sweep_id: str, spec: SweepSpec, study: optuna.Study, number: int,

@@ -27,6 +27,7 @@ IDEMPOTENCY_TTL_S = 24 * 3600
 LOCK_TTL_MS = 10_000
 ACTIVE_STATUSES = ("running",)
 TERMINAL_STATUSES = ("succeeded", "failed", "cancelled")
+_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
 _RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
 
 
@@ -166,12 +167,23 @@ class SweepRecords:
 
     # ------------------------------------------------------------------ one advancer at a time
     @contextmanager
-    def lock(self, sweep_id: str) -> Iterator[bool]:
-        """Yields whether this process holds the sweep's lock (another one advancing it: False)."""
-        token = uuid.uuid4().hex
-        held = bool(self.redis.set(keys.sweep_lock(sweep_id), token, nx=True, px=LOCK_TTL_MS))
+    def lock(self, sweep_id: str) -> Iterator[SweepLock | None]:
+        """Yields the sweep's lock when this process took it (another one advancing it: None)."""
+        lock = SweepLock(self.redis, keys.sweep_lock(sweep_id), uuid.uuid4().hex)
+        held = bool(self.redis.set(lock.key, lock.token, nx=True, px=LOCK_TTL_MS))
         try:
-            yield held
+            yield lock if held else None
         finally:
             if held:
-                self.redis.eval(_RELEASE, 1, keys.sweep_lock(sweep_id), token)
+                self.redis.eval(_RELEASE, 1, lock.key, lock.token)
+
+
+class SweepLock:
+    """The advance lock as its holder sees it: `renew` before each ask, so a process that lost it
+    (paused past its TTL) asks nothing more."""
+
+    def __init__(self, client: redis.Redis, key: str, token: str) -> None:
+        self.redis, self.key, self.token = client, key, token
+
+    def renew(self) -> bool:
+        return bool(self.redis.eval(_RENEW, 1, self.key, self.token, LOCK_TTL_MS))

@@ -170,3 +170,21 @@ def test_an_api_killed_mid_sweep_and_a_killed_worker_lose_no_trial_and_run_none_
         redelivered = get_job(client, victim["id"])
         assert redelivered["attempts"] == 2 and len(redelivered["metrics"]) == 2, redelivered
         client.close()
+
+
+def test_the_cli_starts_a_sweep_watches_it_and_lists_it(stack: dict, tmp_path: Path) -> None:
+    from tests.e2e.test_cli import cli
+
+    (tmp_path / "job.json").write_text(json.dumps({**BASE, "epochs": 1}))
+    (tmp_path / "space.json").write_text(json.dumps({"batch_size": {"type": "categorical", "choices": [64]}}))
+    started = cli(stack, "sweep", "--base", str(tmp_path / "job.json"), "--space", str(tmp_path / "space.json"),
+                  "--trials", "1", "--pruner", "none")
+    assert started.returncode == 0, started.stderr
+    assert "best val_accuracy" in started.stdout and "complete" in started.stdout, started.stdout
+    sweep_id = started.stderr.split()[1].rstrip(":")
+    shown = json.loads(cli(stack, "sweep", sweep_id, "--json").stdout)
+    assert shown["status"] == "succeeded" and shown["trials"][0]["params"] == {"batch_size": 64}
+    listed = cli(stack, "sweeps")
+    assert sweep_id in listed.stdout and "succeeded" in listed.stdout
+    refused = cli(stack, "sweep", "--base", str(tmp_path / "job.json"), "--space", str(tmp_path / "job.json"))
+    assert refused.returncode == 1 and "space.model" in refused.stderr, refused.stderr
