@@ -188,3 +188,39 @@ def test_the_cli_starts_a_sweep_watches_it_and_lists_it(stack: dict, tmp_path: P
     assert sweep_id in listed.stdout and "succeeded" in listed.stdout
     refused = cli(stack, "sweep", "--base", str(tmp_path / "job.json"), "--space", str(tmp_path / "job.json"))
     assert refused.returncode == 1 and "space.model" in refused.stderr, refused.stderr
+
+
+def test_the_states_a_kill_leaves_between_the_steps_are_finished_once(stack: dict) -> None:
+    """What an API killed inside an advance leaves, made directly in the real study and Redis while
+    the stack's API drives the sweep: a trial asked with no job (killed after the ask), then a job
+    created but not recorded as the trial's (killed after the job). The next advance gives the
+    first its job, and finds the second's job again under its Idempotency-Key: one job per trial,
+    and no trial asked beyond `trials`."""
+    import redis
+
+    from core import keys
+    from core.sweeps import study as studies
+    from core.sweeps.spec import SweepSpec
+
+    client = stack["client"]
+    body = sweep_body(base={**BASE, "epochs": 50}, trials=2)
+    sweep_id = client.post("/sweeps", json=body).json()["id"]
+    first = wait_until(lambda: (t := client.get(f"/sweeps/{sweep_id}").json()["trials"]) and t[0]["job_id"],
+                       timeout=30, what="the first trial's job")
+    spec = SweepSpec.model_validate(client.get(f"/sweeps/{sweep_id}").json()["spec"])
+    orphan = studies.open_study(stack["redis_url"], sweep_id, spec, asked=1).ask(studies.distributions(spec))
+    assert orphan.number == 1
+    second = wait_until(lambda: client.get(f"/sweeps/{sweep_id}").json()["trials"][1]["job_id"],
+                        timeout=30, what="the orphan trial's job")
+    assert get_job(client, second)["trial"] == 1 and get_job(client, second)["sweep_id"] == sweep_id
+
+    db = redis.Redis.from_url(stack["redis_url"], decode_responses=True)
+    db.hdel(keys.sweep_jobs(sweep_id), "1")  # the job exists, its record as the trial's is lost
+    wait_until(lambda: db.hget(keys.sweep_jobs(sweep_id), "1"), timeout=30, what="the trial's job recorded again")
+    assert db.hget(keys.sweep_jobs(sweep_id), "1") == second
+    db.close()
+
+    client.post(f"/sweeps/{sweep_id}/cancel")
+    sweep = wait_for_sweep(client, sweep_id, timeout=120)
+    assert [t["job_id"] for t in sweep["trials"]] == [first, second]
+    assert_one_job_per_trial(client, sweep)
