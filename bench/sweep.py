@@ -61,7 +61,7 @@ def storage(trials: int) -> dict[str, Any]:
         for name, (make, source) in backends.items():
             study = optuna.create_study(study_name="s", storage=JournalStorage(make()), direction="maximize",
                                         sampler=optuna.samplers.RandomSampler(seed=0))
-            dist = {"x": optuna.distributions.FloatDistribution(0, 1)}
+            dist: dict[str, optuna.distributions.BaseDistribution] = {"x": optuna.distributions.FloatDistribution(0, 1)}
             started = time.perf_counter()
             for _ in range(trials):
                 trial = study.ask(dist)

@@ -1,6 +1,7 @@
 """Sweeps through HTTP on real processes: the 422s, a small grid sweep to its end with one trial
-pruned, a cancel, the Idempotency-Key, and the API SIGKILLed mid-sweep (then a worker) without a
-trial lost, asked twice or run twice. Every sweep is cifar_net on `fake`, one or two epochs."""
+pruned (the session's `grid_sweep`), a cancel, the Idempotency-Key, the CLI, and the API, Redis and
+a worker SIGKILLed mid-sweep without a trial lost, asked twice or run twice. Every sweep is
+cifar_net on `fake`, two epochs."""
 
 from __future__ import annotations
 
@@ -11,27 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.support import TERMINAL, free_port, get_job, own_api, wait_for_job, wait_until
+from tests.e2e.sweeps_support import BASE, GRID_BODY, GRID_KEY, sweep_body, wait_for_sweep
+from tests.support import TERMINAL, free_port, get_job, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
-
-BASE = {"model": "cifar_net", "dataset": "fake", "epochs": 2, "patience": 0}
-SWEEP_END = {"succeeded", "failed", "cancelled"}
-
-
-def sweep_body(**changes: object) -> dict:
-    body = {"base": BASE, "space": {"learning_rate": {"type": "float", "low": 1e-3, "high": 1e-1, "log": True}},
-            "trials": 2, "parallel": 1, "sampler": "random", "pruner": "none"}
-    return {**body, **changes}
-
-
-def wait_for_sweep(client: httpx.Client, sweep_id: str, timeout: float = 240) -> dict:
-    def ended() -> dict | None:
-        sweep = client.get(f"/sweeps/{sweep_id}").json()
-        done = sweep["status"] in SWEEP_END and all(t["state"] != "running" for t in sweep["trials"])
-        return sweep if done else None
-
-    return wait_until(ended, timeout=timeout, interval=0.5, what=f"sweep {sweep_id} to end")
 
 
 def sweep_jobs(client: httpx.Client, sweep_id: str) -> list[dict]:
@@ -78,23 +62,16 @@ def test_a_bad_sweep_is_refused_naming_the_field(stack: dict, change: dict, fiel
     assert client.get("/sweeps").json()["sweeps"] == before
 
 
-def test_a_grid_sweep_runs_its_trials_as_jobs_and_prunes_the_hopeless_one(stack: dict) -> None:
+def test_a_grid_sweep_runs_its_trials_as_jobs_and_prunes_the_hopeless_one(stack: dict, grid_sweep: dict) -> None:
     """Two trials of a 2×2 grid, one at a time, the median pruner judging from the first complete
     trial on: the seed puts lr 0.03 first and lr 1e-7 (which learns nothing) second. The second is
     pruned after its first epoch: its job succeeded with its best weights and says why."""
-    client = stack["client"]
-    body = sweep_body(space={"learning_rate": {"type": "categorical", "choices": [0.03, 1e-7]},
-                             "weight_decay": {"type": "categorical", "choices": [0.0, 0.01]}},
-                      trials=2, sampler="grid", pruner="median", startup_trials=1, seed=6)
-    created = client.post("/sweeps", json=body, headers={"Idempotency-Key": "grid-sweep"})
-    assert created.status_code == 201, created.text
-    sweep_id = created.json()["id"]
-    again = client.post("/sweeps", json=body, headers={"Idempotency-Key": "grid-sweep"})
+    client, sweep, sweep_id = stack["client"], grid_sweep, grid_sweep["id"]
+    again = client.post("/sweeps", json=GRID_BODY, headers={"Idempotency-Key": GRID_KEY})
     assert (again.status_code, again.json()["id"]) == (200, sweep_id)
-    other = client.post("/sweeps", json={**body, "seed": 7}, headers={"Idempotency-Key": "grid-sweep"})
+    other = client.post("/sweeps", json={**GRID_BODY, "seed": 7}, headers={"Idempotency-Key": GRID_KEY})
     assert other.status_code == 422 and "Idempotency-Key" in other.json()["detail"]
 
-    sweep = wait_for_sweep(client, sweep_id)
     assert sweep["status"] == "succeeded", sweep
     first, hopeless = sweep["trials"]
     assert first["params"]["learning_rate"] == 0.03 and first["state"] == "complete" and first["epoch"] == 2
@@ -113,9 +90,6 @@ def test_a_grid_sweep_runs_its_trials_as_jobs_and_prunes_the_hopeless_one(stack:
     told = [json.loads(line[5:]) for line in lines]
     assert told[-1] == {"status": "succeeded"}
     assert [e["state"] for e in told if e.get("number") == 1] == ["running", "pruned"]
-    assert client.delete(f"/sweeps/{sweep_id}").status_code == 204
-    assert client.get(f"/sweeps/{sweep_id}").status_code == 404
-    assert get_job(client, first["job_id"])["status"] == "succeeded"  # its trials' jobs stay
 
 
 def test_cancel_stops_the_running_trial_and_asks_no_more(stack: dict) -> None:
@@ -132,35 +106,49 @@ def test_cancel_stops_the_running_trial_and_asks_no_more(stack: dict) -> None:
     sweep = wait_for_sweep(client, sweep_id, timeout=60)
     assert sweep["status"] == "cancelled" and [t["state"] for t in sweep["trials"]] == ["failed"]
     assert client.post(f"/sweeps/{sweep_id}/cancel").status_code == 409
+    assert client.delete(f"/sweeps/{sweep_id}").status_code == 204
+    assert client.get(f"/sweeps/{sweep_id}").status_code == 404
+    assert get_job(client, job_id)["status"] == "cancelled"  # its trials' jobs stay
 
 
-def test_an_api_killed_mid_sweep_and_a_killed_worker_lose_no_trial_and_run_none_twice(
-        clean_redis_url: str, tmp_path: Path) -> None:
-    """Two trials at once on two workers; the API is SIGKILLed as soon as the first trials' jobs
-    exist and restarted, then one trial's worker is SIGKILLed mid-epoch (its job is redelivered to a
-    new worker). The sweep ends with exactly `trials` trials, one job each, each job trained once."""
-    with own_api(clean_redis_url, tmp_path, TORCHYARD_LEASE_TTL_S="3") as own:
-        procs, client = own["procs"], own["client"]
+def test_the_api_redis_and_a_worker_killed_mid_sweep_lose_no_trial_and_run_none_twice(tmp_path: Path) -> None:
+    """Two trials at once on two workers, on a Redis of the test's own. The API is SIGKILLed as soon
+    as the first trials' jobs exist and started again; then redis-server is SIGKILLed mid-epoch
+    (GET /sweeps/{id} answers 503 meanwhile) and started again on its files; then one trial's worker
+    is SIGKILLed (its job is redelivered to a new worker). The sweep ends with exactly `trials`
+    trials, one job each, no epoch trained twice."""
+    from app.embedded_redis import EmbeddedRedis
+    from tests.support import Processes
+
+    server = EmbeddedRedis(tmp_path / "redis")
+    procs = Processes(server.start(), tmp_path / "data", tmp_path / "logs", TORCHYARD_LEASE_TTL_S="3")
+    client = httpx.Client(timeout=60)
+    try:
         workers = [procs.worker("cpu", name=f"sw{k}", TORCHYARD_NODE_NAME=f"sw{k}") for k in range(2)]
+        api = procs.api(port := free_port())
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
         wait_until(lambda: len(client.get("/devices").json()["devices"]) == 2, timeout=120, what="two workers")
         created = client.post("/sweeps", json=sweep_body(trials=3, parallel=2))
         assert created.status_code == 201, created.text
         sweep_id = created.json()["id"]
         assert len(created.json()["trials"]) == 2  # asked at once, up to `parallel`
 
-        api = next(p for p in procs.procs if p.log_path.name == "api.log")
         procs.stop(api, signal.SIGKILL)
-        port = free_port()
         procs.api(port)
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
         wait_until(lambda: client.get("/healthz").status_code == 200, timeout=60, what="the restarted API")
+
+        wait_until(lambda: any(t["epoch"] >= 1 for t in client.get(f"/sweeps/{sweep_id}").json()["trials"]),
+                   timeout=180, what="a trial past its first epoch")
+        server.process.send_signal(signal.SIGKILL)
+        server.process.wait()
+        assert client.get(f"/sweeps/{sweep_id}").status_code == 503
+        server.start()
 
         running = wait_until(lambda: [t for t in client.get(f"/sweeps/{sweep_id}").json()["trials"]
                                       if t["job_status"] == "running" and t["epoch"] >= 1],
-                             timeout=180, what="a trial past its first epoch")
+                             timeout=180, what="a trial running past its first epoch")
         victim = get_job(client, running[0]["job_id"])
-        node = victim["device"].split("/")[0]
-        procs.stop(workers[int(node.removeprefix("sw"))], signal.SIGKILL)
+        procs.stop(workers[int(victim["device"].split("/")[0].removeprefix("sw"))], signal.SIGKILL)
         procs.worker("cpu", name="sw9", TORCHYARD_NODE_NAME="sw9")
 
         sweep = wait_for_sweep(client, sweep_id, timeout=300)
@@ -169,25 +157,33 @@ def test_an_api_killed_mid_sweep_and_a_killed_worker_lose_no_trial_and_run_none_
         assert_one_job_per_trial(client, sweep)
         redelivered = get_job(client, victim["id"])
         assert redelivered["attempts"] == 2 and len(redelivered["metrics"]) == 2, redelivered
+    finally:
         client.close()
+        procs.stop_all()
+        server.stop()
 
 
-def test_the_cli_starts_a_sweep_watches_it_and_lists_it(stack: dict, tmp_path: Path) -> None:
+def test_the_cli_shows_lists_starts_and_cancels_sweeps(stack: dict, grid_sweep: dict, tmp_path: Path) -> None:
     from tests.e2e.test_cli import cli
 
-    (tmp_path / "job.json").write_text(json.dumps({**BASE, "epochs": 1}))
-    (tmp_path / "space.json").write_text(json.dumps({"batch_size": {"type": "categorical", "choices": [64]}}))
-    started = cli(stack, "sweep", "--base", str(tmp_path / "job.json"), "--space", str(tmp_path / "space.json"),
-                  "--trials", "1", "--pruner", "none")
-    assert started.returncode == 0, started.stderr
-    assert "best val_accuracy" in started.stdout and "complete" in started.stdout, started.stdout
-    sweep_id = started.stderr.split()[1].rstrip(":")
-    shown = json.loads(cli(stack, "sweep", sweep_id, "--json").stdout)
-    assert shown["status"] == "succeeded" and shown["trials"][0]["params"] == {"batch_size": 64}
+    shown = cli(stack, "sweep", grid_sweep["id"], "--follow")  # ended: the table and the best line at once
+    assert shown.returncode == 0, shown.stderr
+    assert "best val_accuracy" in shown.stdout and "pruned" in shown.stdout, shown.stdout
+    assert json.loads(cli(stack, "sweep", grid_sweep["id"], "--json").stdout)["best"] == grid_sweep["best"]
     listed = cli(stack, "sweeps")
-    assert sweep_id in listed.stdout and "succeeded" in listed.stdout
+    assert grid_sweep["id"] in listed.stdout and "succeeded" in listed.stdout
+
+    (tmp_path / "job.json").write_text(json.dumps({**BASE, "epochs": 50}))
+    (tmp_path / "space.json").write_text(json.dumps({"batch_size": {"type": "categorical", "choices": [64, 128]}}))
+    started = cli(stack, "sweep", "--base", str(tmp_path / "job.json"), "--space", str(tmp_path / "space.json"),
+                  "--trials", "2", "--parallel", "1", "--detach")
+    assert started.returncode == 0, started.stderr
+    sweep_id = started.stdout.strip()
+    cancelled = cli(stack, "sweep", sweep_id, "--cancel", "--json")
+    assert json.loads(cancelled.stdout)["status"] == "cancelled"
     refused = cli(stack, "sweep", "--base", str(tmp_path / "job.json"), "--space", str(tmp_path / "job.json"))
     assert refused.returncode == 1 and "space.model" in refused.stderr, refused.stderr
+    wait_for_sweep(stack["client"], sweep_id, timeout=60)
 
 
 def test_the_states_a_kill_leaves_between_the_steps_are_finished_once(stack: dict) -> None:
