@@ -136,14 +136,16 @@ class SweepRecords:
             pipe.multi()
             pipe.hset(key, mapping={"status": "cancelled", "cancel_requested": utc_now_iso(),
                                     "message": "cancelled: its running trials are being stopped"})
-            self._event(pipe, sweep_id, "status", {"status": "cancelled"})
+            # The `status` event comes with the end (finish), after its trials were told.
+            self._event(pipe, sweep_id, "cancel_requested", {})
 
         self.redis.transaction(txn, key)
 
     def finish(self, sweep_id: str, status: str, fields: dict[str, str]) -> None:
         """The sweep's outcome; it leaves the active set (nothing is left to ask or tell)."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(keys.sweep(sweep_id), mapping={**fields, "status": status, "finished_at": utc_now_iso()})
+        pipe.hset(keys.sweep(sweep_id), mapping={**fields, "status": status, "ended": status,
+                                                 "finished_at": utc_now_iso()})
         pipe.srem(keys.SWEEPS_ACTIVE, sweep_id)
         self._event(pipe, sweep_id, "status", {"status": status})
         pipe.execute()

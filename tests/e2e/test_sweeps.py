@@ -106,6 +106,12 @@ def test_cancel_stops_the_running_trial_and_asks_no_more(stack: dict) -> None:
     sweep = wait_for_sweep(client, sweep_id, timeout=60)
     assert sweep["status"] == "cancelled" and [t["state"] for t in sweep["trials"]] == ["failed"]
     assert client.post(f"/sweeps/{sweep_id}/cancel").status_code == 409
+    with client.stream("GET", f"/sweeps/{sweep_id}/events") as events:
+        told = [(e, json.loads(d[5:])) for e, d in zip(*[iter(line for line in events.iter_lines()
+                                                               if line.startswith(("event:", "data:")))] * 2,
+                                                       strict=True)]
+    assert [(e.removeprefix("event:").strip(), d.get("state") or d.get("status")) for e, d in told[-3:]] == \
+        [("cancel_requested", None), ("trial", "failed"), ("status", "cancelled")]
     assert client.delete(f"/sweeps/{sweep_id}").status_code == 204
     assert client.get(f"/sweeps/{sweep_id}").status_code == 404
     assert get_job(client, job_id)["status"] == "cancelled"  # its trials' jobs stay
