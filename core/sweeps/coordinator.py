@@ -56,11 +56,14 @@ class SweepCoordinator:
 
     # ------------------------------------------------------------------ a user's requests
     def create(self, spec: SweepSpec, idempotency_key: str | None = None) -> tuple[Sweep, bool]:
-        check_sweep(spec)
         body = json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         digest = hashlib.sha256(body.encode()).hexdigest()
         if idempotency_key is not None and len(idempotency_key) > 200:
             raise InvalidInput("Idempotency-Key is longer than 200 characters")
+        earlier = self.records.replay(idempotency_key, digest)
+        if earlier is not None:
+            return self.get(earlier), False
+        check_sweep(spec)
         self.submission.check(spec.base)  # the base as POST /jobs would judge it
         parallel = spec.parallel or self._live_devices(spec.base.device)
         sweep_id, created = self.records.create({"spec": body, "parallel": str(parallel)}, idempotency_key, digest)

@@ -79,6 +79,17 @@ class SweepRecords:
             pipe.execute()
         return (earlier[0], False) if earlier else (sweep_id, True)
 
+    def replay(self, idempotency_key: str | None, body_digest: str) -> str | None:
+        """The sweep an earlier request with this key and this very body created, if it still exists:
+        looked up before the request is checked again (a retry gets its sweep whatever changed since)."""
+        if not idempotency_key:
+            return None
+        raw = self.redis.get(keys.sweep_idempotency(idempotency_key))
+        doc = json.loads(raw) if raw else None
+        if not isinstance(doc, dict) or doc.get("body") != body_digest:
+            return None
+        return doc["sweep"] if self.redis.exists(keys.sweep(doc["sweep"])) else None
+
     def get(self, sweep_id: str) -> dict[str, str]:
         validate_id(sweep_id, "sweep id")
         raw = self.redis.hgetall(keys.sweep(sweep_id))
