@@ -1,4 +1,5 @@
-"""Sweeps: `sweep --base job.json --space space.json` (start one and watch its trials to the end),
+"""Sweeps: `sweep --base job.json --space space.json` (or flags: `--model cifar_net --dataset fake
+--float learning_rate=1e-4:0.1:log --choice batch_size=64,128`) starts one and watches its trials to the end,
 `sweep ID` (one sweep; `--follow`, `--cancel`), `sweeps` (the list). The API's JSON is read as
 plain dicts here: the sweep's models live with the server's search (core/sweeps/), which the
 client does not load (it would bring Optuna)."""
@@ -35,8 +36,37 @@ def _read_json(path: str, what: str) -> Any:
         raise SystemExit(f"torchyard: error: {what} {path}: {exc}") from None
 
 
+def _value(text: str) -> Any:
+    """A value as typed: a number, true/false or null as JSON reads it, else the string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _range_flag(kind: str, text: str) -> tuple[str, dict[str, Any]]:
+    """--float lr=1e-4:0.1:log, --int epochs=2:8, --choice batch_size=32,64,128 as a space's entry."""
+    name, sep, spec = text.partition("=")
+    if not sep or not name:
+        raise SystemExit(f"torchyard: error: --{kind} {text!r}: write NAME=...")
+    if kind == "choice":
+        return name, {"type": "categorical", "choices": [_value(v) for v in spec.split(",")]}
+    low, _, rest = spec.partition(":")
+    high, _, log = rest.partition(":")
+    if not high or log not in ("", "log"):
+        raise SystemExit(f"torchyard: error: --{kind} {text!r}: write NAME=LOW:HIGH or NAME=LOW:HIGH:log")
+    return name, {"type": kind, "low": _value(low), "high": _value(high), "log": log == "log"}
+
+
 def _body(args: argparse.Namespace) -> dict[str, Any]:
-    body: dict[str, Any] = {"base": _read_json(args.base, "--base"), "space": _read_json(args.space, "--space")}
+    base: dict[str, Any] = _read_json(args.base, "--base") if args.base else {}
+    for name in ("model", "dataset", "epochs"):
+        if getattr(args, name) is not None:
+            base[name] = getattr(args, name)
+    space: dict[str, Any] = _read_json(args.space, "--space") if args.space else {}
+    for kind in ("float", "int", "choice"):
+        space.update(_range_flag(kind, text) for text in getattr(args, kind) or [])
+    body: dict[str, Any] = {"base": base, "space": space}
     for name in ("trials", "parallel", "metric", "direction", "sampler", "pruner", "seed", "startup_trials"):
         if getattr(args, name) is not None:
             body[name] = getattr(args, name)
@@ -47,8 +77,9 @@ def _sweep(client: TorchyardClient, args: argparse.Namespace) -> int:
     from client import output
 
     if args.sweep_id is None:
-        if not (args.base and args.space):
-            print("torchyard: error: give a sweep ID, or --base and --space to start one", file=sys.stderr)
+        if not ((args.base or args.model) and (args.space or args.float or args.int or args.choice)):
+            print("torchyard: error: give a sweep ID, or a base (--base or --model/--dataset) and a space "
+                  "(--space or --float/--int/--choice) to start one", file=sys.stderr)
             return EXIT_ERROR
         headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
         sweep = _call(client, "POST", "/sweeps", json=_body(args), headers=headers)
@@ -157,6 +188,13 @@ def register(command: Command) -> None:
     sweep.add_argument("sweep_id", nargs="?", metavar="ID", help="an existing sweep")
     sweep.add_argument("--base", metavar="JOB.json", help="a POST /jobs training body")
     sweep.add_argument("--space", metavar="SPACE.json", help='{"field": {"type": "float", "low": .., "high": ..}, ...}')
+    flags = sweep.add_argument_group("or as flags (added to --base and --space when both are given)")
+    flags.add_argument("--model")
+    flags.add_argument("--dataset")
+    flags.add_argument("--epochs", type=int)
+    flags.add_argument("--float", action="append", metavar="NAME=LOW:HIGH[:log]", help="a float range to search")
+    flags.add_argument("--int", action="append", metavar="NAME=LOW:HIGH[:log]", help="an int range to search")
+    flags.add_argument("--choice", action="append", metavar="NAME=A,B,..", help="values to choose from")
     sweep.add_argument("--trials", type=int)
     sweep.add_argument("--parallel", type=int)
     sweep.add_argument("--metric", choices=["val_accuracy", "val_loss", "train_accuracy", "train_loss"])

@@ -187,9 +187,18 @@ def test_the_cli_shows_lists_starts_and_cancels_sweeps(stack: dict, grid_sweep: 
     sweep_id = started.stdout.strip()
     cancelled = cli(stack, "sweep", sweep_id, "--cancel", "--json")
     assert json.loads(cancelled.stdout)["status"] == "cancelled"
+    flags = cli(stack, "sweep", "--model", "cifar_net", "--dataset", "fake", "--epochs", "50", "--float",
+                "learning_rate=1e-4:0.1:log", "--choice", "batch_size=64,128", "--trials", "3", "--detach", "--json")
+    assert flags.returncode == 0, flags.stderr
+    as_flags = json.loads(flags.stdout)
+    assert as_flags["spec"]["space"] == {"learning_rate": {"type": "float", "low": 1e-4, "high": 0.1, "log": True,
+                                                           "step": None},
+                                         "batch_size": {"type": "categorical", "choices": [64, 128]}}
+    cli(stack, "sweep", as_flags["id"], "--cancel")
     refused = cli(stack, "sweep", "--base", str(tmp_path / "job.json"), "--space", str(tmp_path / "job.json"))
     assert refused.returncode == 1 and "space.model" in refused.stderr, refused.stderr
     wait_for_sweep(stack["client"], sweep_id, timeout=60)
+    wait_for_sweep(stack["client"], as_flags["id"], timeout=60)
 
 
 def test_the_states_a_kill_leaves_between_the_steps_are_finished_once(stack: dict) -> None:
