@@ -50,7 +50,8 @@ Layout::
     ty:sweeps:<id>:events            stream trial and status events, SSE ids
     ty:sweeps:<id>:lock              string the process that advances the sweep now (short TTL)
     ty:sweeps:idem:<key>             string POST /sweeps' Idempotency-Key -> {"sweep", "body"} (24 h)
-    ty:optuna:*                      Optuna's journal (JournalRedisBackend, prefix ty:optuna:): one study per sweep
+    ty:optuna:<sweep id>:*           the sweep's Optuna study: its journal (JournalRedisBackend's log_number, log:<n>,
+                                            snapshot), one per sweep
 """
 
 from __future__ import annotations

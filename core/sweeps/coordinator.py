@@ -82,10 +82,7 @@ class SweepCoordinator:
         if raw["status"] not in TERMINAL_STATUSES or sweep_id in self.records.active():
             raise Conflict(f"sweep {sweep_id} is {raw['status']} with trials still running; cancel it first")
         self.records.delete(sweep_id)
-        try:
-            optuna.delete_study(study_name=sweep_id, storage=studies.storage(self.redis_url))
-        except KeyError:
-            pass
+        studies.forget(self.redis_url, sweep_id)
 
     def get(self, sweep_id: str) -> Sweep:
         raw = self.records.get(sweep_id)

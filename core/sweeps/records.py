@@ -162,11 +162,15 @@ class SweepRecords:
         pipe.execute()
 
     def delete(self, sweep_id: str) -> None:
+        """The record, its trials' jobs index, events, and its study's journal (Optuna's keys)."""
         pipe = self.redis.pipeline(transaction=True)
         pipe.delete(keys.sweep(sweep_id), keys.sweep_jobs(sweep_id), keys.sweep_events(sweep_id))
         pipe.zrem(keys.SWEEPS_INDEX, sweep_id)
         pipe.srem(keys.SWEEPS_ACTIVE, sweep_id)
         pipe.execute()
+        journal = list(self.redis.scan_iter(match=f"{keys.OPTUNA_PREFIX}{sweep_id}:*", count=1000))
+        for start in range(0, len(journal), 1000):
+            self.redis.unlink(*journal[start:start + 1000])
 
     def event(self, sweep_id: str, kind: str, data: dict[str, Any]) -> None:
         pipe = self.redis.pipeline(transaction=False)

@@ -1,10 +1,11 @@
 """A sweep's Optuna study: its storage, and its sampler and pruner made again from the sweep's
 request wherever the study is opened.
 
-Storage: Optuna's journal on the service's own Redis (`JournalRedisBackend`, keys under
-`ty:optuna:`), so the study lives where every job lives, is shared by every API process and
-worker, survives their restarts and is saved with Redis (AOF). One study per sweep, named by the
-sweep's id. The journal is append-only: a deleted study's log stays (a few hundred bytes a trial).
+Storage: Optuna's journal on the service's own Redis (`JournalRedisBackend`), so the study lives
+where every job lives, is shared by every API process and worker, survives their restarts and is
+saved with Redis (AOF). One study per sweep, named by the sweep's id, in a journal of its own
+(keys under `ty:optuna:<sweep id>`): opening it replays that sweep's log alone, and the sweep's
+deletion deletes it.
 
 Optuna stores neither the sampler nor the pruner with a study (a study loaded without `pruner=`
 silently prunes with MedianPruner); `open_study` always makes both from the request. The sampler's
@@ -17,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+from collections import OrderedDict
 from typing import Any
 
 import optuna
@@ -30,21 +32,38 @@ from core.sweeps.spec import Choices, FloatRange, IntRange, SweepSpec, grid_valu
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 log = logging.getLogger(__name__)
 
-_storages: dict[str, JournalStorage] = {}
+# Journal storages this process opened, one per sweep (newest used last), at most STORAGES_KEPT.
+STORAGES_KEPT = 128
+_storages: OrderedDict[tuple[str, str], JournalStorage] = OrderedDict()
 _storages_lock = threading.Lock()
 
 
-def storage(redis_url: str) -> JournalStorage:
-    """One journal storage per process and Redis: it keeps the log it replayed and reads only what
-    was appended since (a new one would replay every sweep's log)."""
+def journal_prefix(sweep_id: str) -> str:
+    """Where a sweep's journal lives: its own keys, so opening it replays its trials alone (not every
+    sweep's ever run), and deleting the sweep deletes them."""
+    return f"{keys.OPTUNA_PREFIX}{sweep_id}"
+
+
+def storage(redis_url: str, sweep_id: str) -> JournalStorage:
+    """The sweep's journal storage, kept for the process: it keeps the log it replayed and reads only
+    what was appended since."""
     with _storages_lock:
-        found = _storages.get(redis_url)
+        found = _storages.get((redis_url, sweep_id))
         if found is None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                found = JournalStorage(JournalRedisBackend(redis_url, prefix=keys.OPTUNA_PREFIX))
-            _storages[redis_url] = found
+                found = JournalStorage(JournalRedisBackend(redis_url, prefix=journal_prefix(sweep_id)))
+            _storages[(redis_url, sweep_id)] = found
+            while len(_storages) > STORAGES_KEPT:
+                _storages.popitem(last=False)
+        else:
+            _storages.move_to_end((redis_url, sweep_id))
         return found
+
+
+def forget(redis_url: str, sweep_id: str) -> None:
+    with _storages_lock:
+        _storages.pop((redis_url, sweep_id), None)
 
 
 def distributions(spec: SweepSpec) -> dict[str, BaseDistribution]:
@@ -93,14 +112,15 @@ def _max_epochs(spec: SweepSpec) -> int:
 
 def open_study(redis_url: str, sweep_id: str, spec: SweepSpec, asked: int = 0) -> optuna.Study:
     """The sweep's study (created on first use), with its sampler and pruner made from `spec`."""
-    return optuna.create_study(study_name=sweep_id, storage=storage(redis_url), direction=spec.resolved_direction,
+    return optuna.create_study(study_name=sweep_id, storage=storage(redis_url, sweep_id),
+                               direction=spec.resolved_direction,
                                sampler=make_sampler(spec, asked), pruner=make_pruner(spec), load_if_exists=True)
 
 
 def should_prune(redis_url: str, sweep_id: str, spec: SweepSpec, number: int, epoch: int, value: float) -> bool:
     """Report a trial's epoch value to the study and ask the sweep's pruner whether it stops here."""
     study = open_study(redis_url, sweep_id, spec)
-    store = storage(redis_url)
+    store = storage(redis_url, sweep_id)
     trial_id = store.get_trial_id_from_study_id_trial_number(store.get_study_id_from_name(sweep_id), number)
     if store.get_trial(trial_id).state.is_finished():
         return False  # told already (the sweep was cancelled, or this is a stale delivery)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 from tests.e2e.sweeps_support import BASE, GRID_BODY, GRID_KEY, sweep_body, wait_for_sweep
 from tests.support import TERMINAL, free_port, get_job, wait_for_job, wait_until
@@ -112,8 +113,12 @@ def test_cancel_stops_the_running_trial_and_asks_no_more(stack: dict) -> None:
                                                        strict=True)]
     assert [(e.removeprefix("event:").strip(), d.get("state") or d.get("status")) for e, d in told[-3:]] == \
         [("cancel_requested", None), ("trial", "failed"), ("status", "cancelled")]
+    journal = redis.Redis.from_url(stack["redis_url"])
+    assert journal.keys(f"ty:optuna:{sweep_id}:*")  # the study's own journal
     assert client.delete(f"/sweeps/{sweep_id}").status_code == 204
     assert client.get(f"/sweeps/{sweep_id}").status_code == 404
+    assert journal.keys(f"ty:optuna:{sweep_id}:*") == []  # deleted with the sweep
+    journal.close()
     assert get_job(client, job_id)["status"] == "cancelled"  # its trials' jobs stay
 
 
@@ -207,8 +212,6 @@ def test_the_states_a_kill_leaves_between_the_steps_are_finished_once(stack: dic
     created but not recorded as the trial's (killed after the job). The next advance gives the
     first its job, and finds the second's job again under its Idempotency-Key: one job per trial,
     and no trial asked beyond `trials`."""
-    import redis
-
     from core import keys
     from core.sweeps import study as studies
     from core.sweeps.spec import SweepSpec
