@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import redis
 from fastapi import Depends, FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -36,9 +37,9 @@ from app.api.routes import (
 )
 from app.api.services import Services
 from app.api.serving.direct import DIRECT
+from core import keys
 from core.config import Settings, get_settings
 from core.retention import Retention
-from core.sweeps.coordinator import SweepCoordinator
 
 log = logging.getLogger(__name__)
 
@@ -63,16 +64,20 @@ async def _cleanup_forever(retention: Retention, interval_s: float) -> None:
         await asyncio.sleep(min(interval_s, 60.0))
 
 
-async def _advance_sweeps_forever(sweeps: SweepCoordinator, interval_s: float) -> None:
-    """The sweeps' driver in the background: every API process looks each interval, and one at a
-    time per sweep (a Redis lock) tells its ended trials and asks for new ones (core/sweeps/)."""
+async def _advance_sweeps_forever(services: Services, interval_s: float) -> None:
+    """The sweeps' driver in the background: every API process looks each interval, or at once when
+    a worker says a trial's job ended (ty:sweeps:nudge), and one at a time per sweep (a Redis lock)
+    tells its ended trials and asks for new ones (core/sweeps/)."""
     while True:
         try:
-            await run_in_threadpool(sweeps.advance_all)
+            await run_in_threadpool(services.sweeps.advance_all)
         except Exception as exc:
             log.warning("advancing the sweeps failed (%s: %s); trying again in %.1f s", type(exc).__name__, exc,
                         interval_s)
-        await asyncio.sleep(interval_s)
+        try:
+            await services.aredis.blpop([keys.SWEEPS_NUDGE], timeout=interval_s)
+        except redis.RedisError:
+            await asyncio.sleep(interval_s)
 
 
 class TorchyardApp(FastAPI):
@@ -121,7 +126,7 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
         app.state.services = Services.build(settings)
         app.state.services.predictions.on_orphaned = app.state.metrics.predict_orphaned.inc
         cleanup = asyncio.create_task(_cleanup_forever(app.state.services.retention, settings.cleanup_interval_s))
-        sweeping = asyncio.create_task(_advance_sweeps_forever(app.state.services.sweeps, settings.sweep_tick_s))
+        sweeping = asyncio.create_task(_advance_sweeps_forever(app.state.services, settings.sweep_tick_s))
         # What is loaded by now lives as long as the process: keep it out of the collector's full
         # passes, which otherwise scan it all and stall every request in flight for the length of a
         # pass each time (the tail latency it cost: docs/benchmarks.md, "Prediction").

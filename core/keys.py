@@ -45,6 +45,7 @@ Layout::
                                             to a waiting gang for when it ends; absent: free); core/devices/slots.py
     ty:sweeps                        zset   every sweep id (lexicographic = chronological): core/sweeps/
     ty:sweeps:active                 set    sweeps with a trial still to ask or to tell (the API's tick)
+    ty:sweeps:nudge                  list   sweeps whose trial's job just ended (a worker's push wakes an API's tick)
     ty:sweeps:<id>                   hash   a sweep's record: its request, status, outcome
     ty:sweeps:<id>:jobs              hash   trial number -> its training job (and trial number -> error)
     ty:sweeps:<id>:events            stream trial and status events, SSE ids
@@ -164,6 +165,7 @@ def device_slot(device_id: str) -> str:
 # --- sweeps (core/sweeps/) ---------------------------------------------------------------------
 SWEEPS_INDEX = f"{PREFIX}sweeps"
 SWEEPS_ACTIVE = f"{PREFIX}sweeps:active"
+SWEEPS_NUDGE = f"{PREFIX}sweeps:nudge"
 OPTUNA_PREFIX = f"{PREFIX}optuna:"
 
 

@@ -204,3 +204,16 @@ class SweepLock:
 
     def renew(self) -> bool:
         return bool(self.redis.eval(_RENEW, 1, self.key, self.token, LOCK_TTL_MS))
+
+
+# Nudges waiting at most: a push with no API process running to take it must not grow the list.
+NUDGES_KEPT = 100
+
+
+def nudge(client: redis.Redis, sweep_id: str) -> None:
+    """Wake an API process's tick now (a trial's job ended): the next trial is asked at once rather
+    than at the next tick (app/main.py)."""
+    pipe = client.pipeline(transaction=False)
+    pipe.lpush(keys.SWEEPS_NUDGE, sweep_id)
+    pipe.ltrim(keys.SWEEPS_NUDGE, 0, NUDGES_KEPT - 1)
+    pipe.execute()
