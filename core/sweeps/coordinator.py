@@ -29,6 +29,7 @@ from core.devices import DeviceRegistry
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import JobStore
 from core.kinds.train.submit import JobSubmission
+from core.redis import OUTAGE_ERRORS
 from core.schemas import Job, JobStatus
 from core.sweeps import study as studies
 from core.sweeps.records import TERMINAL_STATUSES, SweepLock, SweepRecords
@@ -68,13 +69,23 @@ class SweepCoordinator:
         parallel = spec.parallel or self._live_devices(spec.base.device)
         sweep_id, created = self.records.create({"spec": body, "parallel": str(parallel)}, idempotency_key, digest)
         if created:
-            self.advance(sweep_id)
+            self._advance_now(sweep_id)
         return self.get(sweep_id), created
 
     def cancel(self, sweep_id: str) -> Sweep:
         self.records.mark_cancelled(sweep_id)
-        self.advance(sweep_id)
+        self._advance_now(sweep_id)
         return self.get(sweep_id)
+
+    def _advance_now(self, sweep_id: str) -> None:
+        """A first step at once for the user's request; what fails here the tick does next (the
+        request itself was recorded)."""
+        try:
+            self.advance(sweep_id)
+        except OUTAGE_ERRORS:
+            raise
+        except Exception:
+            log.exception("sweep %s: advancing it failed; the tick tries again", sweep_id)
 
     def delete(self, sweep_id: str) -> None:
         """A sweep that ended: its record and events (its trials' jobs stay: delete them as jobs)."""
@@ -117,6 +128,10 @@ class SweepCoordinator:
                 self.advance(sweep_id)
             except NotFound:
                 continue
+            except OUTAGE_ERRORS:
+                raise
+            except Exception:  # one sweep's trouble must not stall the others: logged, tried next tick
+                log.exception("sweep %s: advancing it failed; it is tried again at the next tick", sweep_id)
 
     def advance(self, sweep_id: str) -> None:
         """Tell the trials whose jobs ended, ask for new ones up to `parallel` running and `trials` in
