@@ -1,7 +1,7 @@
 """Sweeps: where Optuna's study lives, and a sweep through the service with and without pruning.
 
     flock /tmp/torchyard-bench.lock .venv/bin/python bench/sweep.py [--trials 16] [--workers 1]
-        [--epochs-high 4] [--storage-trials 100] [--no-write-docs]
+        [--epochs-high 4] [--space narrow|issue] [--storage-trials 100] [--no-write-docs]
 
 (a) The study's storage: `--storage-trials` ask + tell pairs (the coordinator's work per trial) on
     Optuna's JournalStorage over an embedded Redis (unix socket, AOF everysec: the service's own)
@@ -10,7 +10,8 @@
 (b) Through the service, as real processes: an embedded Redis, the API and `--workers` CPU workers.
     The same sweep (cifar_net on `fake`, TPE, seed 0; learning_rate log 1e-3..0.1, weight_decay
     0..0.1, batch_size 64|128, epochs 2..`--epochs-high`, early stopping off) with the median
-    pruner (startup_trials 4) and with none, `parallel` = the workers. Device busy: the trials'
+    pruner (startup_trials 4) and with none, `parallel` = the workers; `--space issue` searches the
+    issue's example ranges (learning_rate 1e-4..0.1, batch 32|64|128) instead. Device busy: the trials'
     jobs' running time (started_at..finished_at, summed) over the sweep's wall time × workers;
     epochs: every epoch the trials' jobs ran; best: the sweep's best val_accuracy.
 """
@@ -32,9 +33,16 @@ sys.path.insert(0, str(REPO))
 from bench.docs import write_section  # noqa: E402 (after the sys.path entry above)
 from bench.harness import load_average, machine  # noqa: E402
 
-SPACE = {"learning_rate": {"type": "float", "low": 1e-3, "high": 0.1, "log": True},
-         "weight_decay": {"type": "float", "low": 0.0, "high": 0.1},
-         "batch_size": {"type": "categorical", "choices": [64, 128]}}
+SPACES = {
+    # The issue's example space (learning_rate 1e-4..0.1 log, weight_decay 0..0.1, batch 32|64|128).
+    "issue": {"learning_rate": {"type": "float", "low": 1e-4, "high": 0.1, "log": True},
+              "weight_decay": {"type": "float", "low": 0.0, "high": 0.1},
+              "batch_size": {"type": "categorical", "choices": [32, 64, 128]}},
+    # A narrower one, where most trials are good (the first figures below).
+    "narrow": {"learning_rate": {"type": "float", "low": 1e-3, "high": 0.1, "log": True},
+               "weight_decay": {"type": "float", "low": 0.0, "high": 0.1},
+               "batch_size": {"type": "categorical", "choices": [64, 128]}},
+}
 
 
 def storage(trials: int) -> dict[str, Any]:
@@ -81,7 +89,7 @@ def storage(trials: int) -> dict[str, Any]:
     return out
 
 
-def service(trials: int, workers: int, epochs_high: int) -> dict[str, Any]:
+def service(trials: int, workers: int, epochs_high: int, space: dict[str, Any]) -> dict[str, Any]:
     import httpx
 
     from app.embedded_redis import EmbeddedRedis
@@ -102,7 +110,7 @@ def service(trials: int, workers: int, epochs_high: int) -> dict[str, Any]:
                    timeout=240, what="the workers")
         for pruner in ("median", "none"):
             body = {"base": {"model": "cifar_net", "dataset": "fake", "epochs": 2, "patience": 0},
-                    "space": {**SPACE, "epochs": {"type": "int", "low": 2, "high": epochs_high}},
+                    "space": {**space, "epochs": {"type": "int", "low": 2, "high": epochs_high}},
                     "trials": trials, "parallel": workers, "sampler": "tpe", "pruner": pruner,
                     "startup_trials": 4, "seed": 0}
             started = time.perf_counter()
@@ -141,11 +149,12 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--epochs-high", type=int, default=4)
     parser.add_argument("--storage-trials", type=int, default=100)
+    parser.add_argument("--space", choices=sorted(SPACES), default="narrow")
     parser.add_argument("--no-write-docs", action="store_true")
     args = parser.parse_args()
     load_before = load_average()
     stored = storage(args.storage_trials)
-    swept = service(args.trials, args.workers, args.epochs_high)
+    swept = service(args.trials, args.workers, args.epochs_high, SPACES[args.space])
     report = {"storage": stored, "service": swept, "host": machine(), "load_before": load_before,
               "load_after": load_average(), "args": vars(args)}
     print(json.dumps(report, indent=2))
