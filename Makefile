@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint setup browser fuzz bench-train bench-predict bench-gpu gpu-smoke compose-test chaos clean
+.PHONY: run test lint setup browser fuzz bench-train bench-predict bench-gpu gpu-smoke compose-test chaos mutation clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,12 +19,19 @@ browser:
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
 	  echo "chromium could not be installed: the dashboard's browser test will skip"
 
-setup: $(STAMP) browser
+.PHONY: perf-analyzer bench-oip
+
+# Triton's perf_analyzer into .tools/perf_analyzer/ from the package registries (PyPI, Debian), for the
+# Open Inference Protocol's test and bench. Best effort: without it only that test skips, saying why.
+perf-analyzer: $(STAMP)
+	@scripts/install-perf-analyzer.sh || echo "perf_analyzer could not be installed: its test (tests/e2e/test_oip_perf_analyzer.py) will skip"
+
+setup: $(STAMP) browser perf-analyzer
 
 run: $(STAMP)
 	$(BIN)/torchyard up
 
-test: $(STAMP) browser lint
+test: $(STAMP) browser perf-analyzer lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Lint and import order (ruff), then types (mypy); configured in pyproject.toml.
@@ -42,6 +49,12 @@ bench-train: $(STAMP)
 
 bench-predict: $(STAMP)
 	$(BIN)/python bench/predict.py
+
+# The Open Inference Protocol against /predict on the same model and images (bench/oip.py): binary
+# FP32, binary BYTES-JPEG and JSON tensors at 1/8/32 concurrent requests, by perf_analyzer and by
+# the project's own load client.
+bench-oip: $(STAMP) perf-analyzer
+	$(BIN)/python bench/oip.py $(BENCH_ARGS)
 
 # Photos end to end (bench/photos.py): upload, two training jobs, /predict at 1/32/128 clients, the
 # floors and LitServe in the same run; resnet18 at 224 on a GPU host, its CPU twin elsewhere. No
@@ -64,6 +77,12 @@ compose-test: $(STAMP)
 CHAOS_ARGS ?= --jobs 200 --faults 50 --long-redis-outage
 chaos: $(STAMP)
 	$(BIN)/python scripts/chaos.py $(CHAOS_ARGS)
+
+# The mutation pass (scripts/mutation.py): each guard in scripts/mutation_guards.py broken by one line in
+# a copy of the tree, its tests run; fails unless every one is caught by the assertion that names it.
+# Not part of `make test`. MUTATION_ARGS=--write-docs puts the result in docs/reliability.md.
+mutation: $(STAMP)
+	$(BIN)/python scripts/mutation.py $(MUTATION_ARGS)
 
 clean:
 	rm -rf $(VENV) var .pytest_cache

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.api.deps import bearer_scheme
 from app.api.errors import install_error_handlers, unexpected_error_response
 from app.api.front import FrontGate
+from app.api.oip import routes as oip_routes
 from app.api.routes import (
     aliases,
     dashboard,
@@ -146,7 +147,7 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
     install_error_handlers(app)
     # Host, Origin, API key, body size, content type and body rate, on the headers, before routing;
     # the metrics outermost: they count every request, the refused ones too.
-    app.edge = metrics.install_metrics(app, FrontGate(app.framework, settings, direct=DIRECT))
+    app.edge = metrics.install_metrics(app, FrontGate(app.framework, settings, direct=DIRECT, subtrees=(oip_routes.ROUTE,)))
     app.include_router(health.router)
     dashboard.install_dashboard(app)  # `/` and /static: no data in them, so no key needed
     app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_assets()), name="docs-assets")  # nor in these

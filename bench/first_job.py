@@ -93,7 +93,7 @@ def run(photos: Path, model: str) -> None:
     try:
         from core.kinds.train import JobSpec, resolve_params
     except ImportError:  # an older tree (bench/first_job.py runs against one for the "before" figures)
-        from core.params import resolve_params  # type: ignore[import-not-found,no-redef]
+        from core.params import resolve_params  # type: ignore[import-not-found,import-untyped,no-redef,unused-ignore]
         from core.schemas import JobSpec  # type: ignore[attr-defined,no-redef]
     from worker.runtime.job_context import StopJob
 

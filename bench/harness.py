@@ -86,7 +86,7 @@ async def _one_connection(port: int, request: bytes, window: _Window, errors: li
             except (asyncio.IncompleteReadError, ConnectionError) as exc:
                 errors.append(f"the server closed the connection ({type(exc).__name__}: {exc})")
                 return
-            match = re.search(rb"(?i)content-length:\s*(\d+)", head)
+            match = re.search(rb"(?im)^content-length:\s*(\d+)", head)  # not Inference-Header-Content-Length
             if match is None:
                 raise RuntimeError(f"a response without Content-Length: {head[:200]!r}")
             body = await reader.readexactly(int(match.group(1)))

@@ -239,6 +239,11 @@ class Settings(BaseSettings):
                                 "sweeps this often (one at a time per sweep, a Redis lock): tells ended trials, "
                                 "asks for new ones.")
 
+    # --- the Open Inference Protocol (/v2, app/api/oip/) -------------------------------------
+    oip_max_json_bytes: int = Field(
+        default=8 * 1024**2, ge=1024,
+        description="Largest JSON part of a /v2 infer request (parsed, JSON numbers take up to 8× their text): 413.")
+
     @field_validator("devices")
     @classmethod
     def _known_devices(cls, value: str) -> str:

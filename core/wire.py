@@ -17,6 +17,13 @@ API waits on a one-off reply list. Both directions are encoded and decoded only 
   BLPOP of its own, and the worker answers a whole batch's requests to one API in one RPUSH. For
   200 the body is the `PredictResponse` itself, so the API passes it through without re-encoding;
   any other status carries `{"detail": ...}` and maps to the error of the same HTTP status.
+- Tensors: a request's `encoding` says what its frame's items are. "image" (the default): encoded
+  files the worker decodes through its one image → array transform. "fp32": preprocessed inputs
+  (float32 little-endian C×H×W in [0, 1], as exports take them, docs/deploying-models.md), each
+  item one row of `shape`, which the worker checks against the model's before the forward. Its
+  `reply` says what comes back: "top_k" (a `PredictResponse`, /predict's) or "probabilities" (every
+  class's probability per item and the class names: `ProbabilitiesResponse`, the Open Inference
+  Protocol's OUTPUT__0, app/api/oip/).
 - Preload, API → the same list: ``"preload <json>"`` (`PreloadRequest`), answered on its `reply_to`
   like a prediction once the job's model is resident on the device (200 `PreloadedModel`), or with
   the error of why it cannot be (409: checkpoint unreadable). Sent before an alias moves
@@ -30,7 +37,7 @@ import json
 import math
 import struct
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import orjson
 from pydantic import BaseModel, Field, ValidationError
@@ -38,8 +45,8 @@ from pydantic import BaseModel, Field, ValidationError
 from core.errors import Conflict, InvalidInput, NotFound, TooLarge, TorchyardError, Unavailable, UnsupportedMedia
 from core.images import IMAGE_FORMATS
 
-__all__ = ["IMAGE_FORMATS", "REPLY_TTL_S", "MalformedMessage", "PredictHeader", "PredictReply", "PredictRequest",
-           "PreloadRequest", "PreloadedModel", "strict_json"]
+__all__ = ["IMAGE_FORMATS", "REPLY_TTL_S", "Encoding", "MalformedMessage", "PredictHeader", "PredictReply",
+           "PredictRequest", "PreloadRequest", "PreloadedModel", "ProbabilitiesResponse", "ReplyKind", "strict_json"]
 
 REPLY_TTL_S = 60
 
@@ -76,6 +83,22 @@ class MalformedMessage(ValueError):
     """A message on a predict list that is not one of ours (dropped and logged, never fatal)."""
 
 
+Encoding = Literal["image", "fp32"]
+ReplyKind = Literal["top_k", "probabilities"]
+
+
+class ProbabilitiesResponse(BaseModel):
+    """The 200 body of a request whose `reply` is "probabilities": a row per item, in order."""
+
+    job_id: str
+    model: str
+    device: str
+    alias: str | None = None
+    classes: list[str]
+    probabilities: list[list[float | None]] = Field(description="Per item, every class's probability "
+                                                                "(null where the model gave NaN).")
+
+
 class PredictErrorBody(BaseModel):
     detail: str
 
@@ -93,6 +116,11 @@ class PredictHeader(BaseModel):
     deadline: float = Field(description="Redis's clock (epoch s) after which the caller no longer waits.")
     images: list[tuple[str | None, int, int]] = Field(
         min_length=1, description="(filename, offset, length) of each image in the frame, in order.")
+    encoding: Encoding = Field(default="image", description='What each item is: an encoded image file, or "fp32", '
+                                                            'one preprocessed float32 row of `shape`.')
+    shape: tuple[int, int, int] | None = Field(default=None, description='"fp32": each row\'s (C, H, W).')
+    reply: ReplyKind = Field(default="top_k", description="What the answer holds: top-k predictions, or every "
+                                                          "class's probability (ProbabilitiesResponse).")
 
 
 # A frame: the bytes the images lie in (for the API, the multipart body as it arrived), then the
@@ -189,6 +217,14 @@ class PredictReply:
             for filename, indices, probabilities in images]
         document: dict[str, Any] = {"job_id": job_id, "model": model, "device": device, "results": results,
                                     "alias": alias}
+        return cls(200, strict_json(document).decode())
+
+    @classmethod
+    def probabilities(cls, job_id: str, model: str, device: str, classes: Sequence[str],
+                      rows: Sequence[Sequence[float]], alias: str | None = None) -> PredictReply:
+        """A 200 whose body is a `ProbabilitiesResponse`, encoded from plain lists (as `predictions`)."""
+        document = {"job_id": job_id, "model": model, "device": device, "alias": alias, "classes": list(classes),
+                    "probabilities": rows}
         return cls(200, strict_json(document).decode())
 
     @classmethod

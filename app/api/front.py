@@ -79,6 +79,12 @@ def route_rules(settings: Settings) -> list[Rule]:
              RoutePolicy(max_body=settings.request_body_limit, content_types=MULTIPART)),
         Rule(frozenset({"POST"}), "/predict", RoutePolicy(max_body=settings.max_predict_request_bytes, content_types=MULTIPART)),
         Rule(frozenset({"PUT"}), "/aliases/{name}", RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
+        # The Open Inference Protocol (app/api/oip/): health is open, as /healthz; infer takes /predict's
+        # body cap and any type (its clients send none, or application/octet-stream with binary tensors).
+        Rule(read, "/v2/health/{probe}", RoutePolicy(open=True)),
+        Rule(frozenset({"POST"}), "/v2/models/{name}/infer", RoutePolicy(max_body=settings.max_predict_request_bytes)),
+        Rule(frozenset({"POST"}), "/v2/models/{name}/versions/{version}/infer",
+             RoutePolicy(max_body=settings.max_predict_request_bytes)),
         Rule(frozenset({"POST"}), "/jobs/{job_id}/evaluate",
              RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
         Rule(frozenset({"POST"}), "/aliases/{name}/rollback",
@@ -198,9 +204,10 @@ class DirectRoute:
     about a quarter of the API's CPU per prediction; the gate has already done what they would
     (key, size, type), so the endpoint is a plain ASGI app. `path` labels it in /metrics."""
 
-    def __init__(self, path: str, endpoint: ASGIApp) -> None:
-        self.path = path
+    def __init__(self, path: str, endpoint: ASGIApp, *, error_key: str = "detail") -> None:
+        self.path = path  # an exact path, or with `subtree` (FrontGate) every path under it
         self.endpoint = endpoint
+        self.error_key = error_key  # the gate's own refusals name their reason so (the protocol's "error")
 
 
 def _label_route(scope: Scope) -> None:
@@ -217,9 +224,11 @@ def _label_route(scope: Scope) -> None:
 
 class FrontGate:
     def __init__(self, app: ASGIApp, settings: Settings,
-                 direct: dict[tuple[str, str], DirectRoute] | None = None) -> None:
+                 direct: dict[tuple[str, str], DirectRoute] | None = None,
+                 subtrees: tuple[DirectRoute, ...] = ()) -> None:
         self.app = app
         self.direct = direct or {}
+        self.subtrees = subtrees  # each serves its path and every path under it, any method (/v2)
         self.routes = RouteTable(settings)
         self.hosts = HostCheck(settings)
         self.origins = OriginCheck(settings)
@@ -234,11 +243,13 @@ class FrontGate:
         head = _Head.read(scope["headers"])
         policy = self.routes.policy(scope["method"], scope["path"])
         cap = self.routes.body_cap(policy)
+        direct = self.direct.get((scope["method"], scope["path"])) or self._subtree(scope["path"])
+        key = direct.error_key if direct is not None else "detail"
         try:
             self._judge(scope["method"], head, policy, cap)
         except _Refusal as refusal:
             _label_route(scope)
-            await _reply(send, refusal.status, refusal.detail, close=head.has_body, headers=refusal.headers)
+            await _reply(send, refusal.status, refusal.detail, close=head.has_body, headers=refusal.headers, key=key)
             return
 
         guard = _BodyGuard(receive, cap, self.body_timeout_s, self.min_body_rate)
@@ -256,7 +267,6 @@ class FrontGate:
                     message = {**message, "headers": [*headers, (b"connection", b"close")]}
             await send(message)
 
-        direct = self.direct.get((scope["method"], scope["path"]))
         if direct is not None:
             scope["route"] = direct  # what RequestMetricsMiddleware labels the request with
         try:
@@ -264,7 +274,13 @@ class FrontGate:
         except (BodyTooLarge, BodyTimeout) as exc:  # raised outside the routes' error handling
             if started:
                 raise
-            await _reply(send, exc.status_code, exc.detail, close=True)
+            await _reply(send, exc.status_code, exc.detail, close=True, key=key)
+
+    def _subtree(self, path: str) -> DirectRoute | None:
+        for route in self.subtrees:
+            if path.startswith(route.path) and (len(path) == len(route.path) or path[len(route.path)] == "/"):
+                return route
+        return None
 
     def _judge(self, method: str, head: _Head, policy: RoutePolicy, cap: int) -> None:
         if not self.hosts.allows(head.host):
@@ -374,8 +390,8 @@ class _BodyGuard:
 
 
 async def _reply(send: Send, status: int, detail: str, *, close: bool,
-                 headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    body = json.dumps({"detail": detail}).encode()
+                 headers: tuple[tuple[bytes, bytes], ...] = (), key: str = "detail") -> None:
+    body = json.dumps({key: detail}).encode()
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
     if close:
         head.append((b"connection", b"close"))

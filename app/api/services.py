@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import redis
 import redis.asyncio as aioredis
 
+from app.api.oip.service import OpenInference
 from app.api.serving.engine import PredictionClient
 from core.aliases import AliasService, AliasStore, job_is_aliased
 from core.config import Settings
@@ -44,6 +45,7 @@ class Services:
     retention: Retention
     evaluations: Evaluations
     batch_predictions: BatchPredictions
+    oip: OpenInference  # the Open Inference Protocol (/v2), on the predictions' engine
     sweeps: SweepCoordinator
 
     @classmethod
@@ -68,6 +70,7 @@ class Services:
                    deletion=deletion, retention=Retention(settings, client, jobs, datasets, deletion),
                    evaluations=Evaluations(jobs, datasets, devices, settings),
                    batch_predictions=BatchPredictions(jobs, datasets, devices, settings),
+                   oip=OpenInference.build(predictions, settings),
                    sweeps=SweepCoordinator(SweepRecords(client), jobs, JobSubmission(jobs, datasets, devices, settings),
                                            devices, url))
 

@@ -3,6 +3,7 @@ fencing of stale deliveries, the dispatch reconciler, Idempotency-Key binding.""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -16,6 +17,8 @@ from core.jobs import JobStore, NotOwner
 from core.queue import create_celery, dispatcher, queue_for_device
 from core.schemas import EpochMetrics, JobStatus, Progress
 from tests.core.kinds.examples import train_params
+from tests.faulty_link import FaultyLink
+from tests.support import TEST_DB, wait_until
 
 
 @pytest.fixture
@@ -140,6 +143,41 @@ def test_renewed_lease_is_not_swept(store: JobStore, sent: list) -> None:
         time.sleep(0.15)
         assert store.renew_lease(job.id, sent[0][1])
         assert store.sweep_expired_leases() == []
+
+
+def test_an_owner_that_renews_while_the_sweep_reads_keeps_its_job(client: redis.Redis, clean_redis_url: str,
+                                                                 sent: list) -> None:
+    """The sweep reads the expired leases, then redelivers each in a transaction of its own; an
+    owner whose renewal lands between the two keeps its job, because the transaction checks the
+    lease again. The interleaving is made, not hoped for: the sweep's connection goes through a
+    link that holds the reply to its read until the owner has renewed."""
+    store = JobStore(client, lambda delivery: sent.append(delivery.token), lease_ttl_s=30, max_attempts=3)
+    job, _ = _create(store)
+    owner = sent[0]
+    store.claim(job.id, owner, worker="w1", device_id="d1")
+    expiry = store.redis.zscore(keys.LEASES, job.id)
+    link = FaultyLink(clean_redis_url)
+    sweeping_client = redis.Redis.from_url(link.url(TEST_DB + 1), decode_responses=True)
+    sweeper = JobStore(sweeping_client, lambda delivery: sent.append(delivery.token), lease_ttl_s=30, max_attempts=3)
+    swept: list[list[str]] = []
+    try:
+        link.hold_replies_after(b"ZRANGEBYSCORE")
+        # The sweep's clock says the lease expired (as after a freeze of the owner's host).
+        reading = threading.Thread(target=lambda: swept.append(sweeper.sweep_expired_leases(now=expiry)))
+        reading.start()
+        wait_until(lambda: link.marked >= 1, timeout=10, what="the sweep to read the expired leases")
+        wait_until(lambda: redis_now(client) > expiry - 30, timeout=5, what="Redis's clock to move on")
+        assert store.renew_lease(job.id, owner)  # the owner's beat, between the read and the transaction
+        link.release()
+        reading.join(timeout=10)
+    finally:
+        link.close()
+        sweeping_client.close()
+    assert swept == [[]], (f"the sweep redelivered {swept} although its owner renewed the lease after the sweep "
+                           f"read it: the redelivery transaction must check the lease again")
+    kept = store.get(job.id)
+    assert kept.status is JobStatus.running and store.raw_field(job.id, "delivery") == owner and kept.attempts == 1
+    assert store.stop_reason(job.id, owner) is None and len(sent) == 1
 
 
 def test_a_stale_delivery_changes_nothing(store: JobStore, sent: list) -> None:

@@ -74,7 +74,8 @@ def test_every_route_needs_the_key(keyed_api: str, method: str, path: str) -> No
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Bearer {KEY}x"},
                     {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"}, {"Authorization": "Bearer"}):
         refused = _send(keyed_api, method, path, headers)
-        assert refused.status_code == 401, (headers, refused.text)
+        assert refused.status_code == 401, (f"{method} {path} was answered {refused.status_code}, not 401, to a wrong or "
+                                            f"missing API key ({headers}): {refused.text[:200]}")
         assert refused.json()["detail"] and refused.headers.get("www-authenticate") == "Bearer"
     allowed = _send(keyed_api, method, path, {"Authorization": f"Bearer {KEY}"})
     assert allowed.status_code != 401, allowed.text
@@ -87,3 +88,16 @@ def test_docs_and_openapi_are_served_with_the_key(keyed_api: str) -> None:
     assert "/jobs" in spec["paths"] and spec["info"]["title"] == "torchyard"
     assert "swagger" in httpx.get(f"{keyed_api}/docs", headers=auth).text.lower()
     assert httpx.get(f"{keyed_api}/redoc", headers=auth).status_code == 404  # no unprotected leftovers
+
+
+def test_the_open_inference_protocol_needs_the_key_but_for_its_health(keyed_api: str) -> None:
+    """/v2 is served by the front gate past FastAPI's routes (app/api/oip/): the same key, its
+    refusals in the protocol's shape; its liveness and readiness open, as /healthz."""
+    for method, path in (("GET", "/v2"), ("GET", "/v2/models/nosuchid"), ("GET", "/v2/models/nosuchid/config"),
+                         ("POST", "/v2/models/nosuchid/infer"), ("POST", "/v2/repository/index")):
+        refused = _send(keyed_api, method, path, {})
+        assert refused.status_code == 401 and refused.json()["error"], (path, refused.text)
+        allowed = _send(keyed_api, method, path, {"Authorization": f"Bearer {KEY}"})
+        assert allowed.status_code in (200, 400, 404) and (allowed.status_code == 200 or allowed.json()["error"])
+    assert _send(keyed_api, "GET", "/v2/health/live", {}).status_code == 200
+    assert _send(keyed_api, "GET", "/v2/health/ready", {}).status_code in (200, 400)  # 400: no worker here

@@ -173,6 +173,17 @@ def test_refusals_and_cancel(stack: dict, cifar_pair: tuple[str, str]) -> None:
     for body, status in cases:
         answer = client.post("/jobs", json=body)
         assert answer.status_code == status, (body, answer.text)
+    # Another body under a used Idempotency-Key, a batch prediction's and an evaluation's: 422 naming the first job.
+    for path, body, other in (("/jobs", {**base, "top_k": 1}, {**base, "top_k": 2}),
+                              (f"/jobs/{model_job}/evaluate", {"dataset": "fake"}, {"dataset": "fake", "batch_size": 64})):
+        key = {"Idempotency-Key": f"used-for-{path}"}
+        first, again, different = (client.post(path, json=b, headers=key) for b in (body, body, other))
+        assert first.status_code == 202 and again.status_code == 200 and again.json()["id"] == first.json()["id"], (
+            f"{path}: a retry of the same body under its key did not get the first job: {again.text[:200]}")
+        assert different.status_code == 422 and first.json()["id"] in different.json()["detail"], (
+            f"{path}: another body under a used Idempotency-Key must be a 422 naming the first job, not "
+            f"{different.status_code} {different.text[:200]}")
+        client.post(f"/jobs/{first.json()['id']}/cancel")  # queued: it ends at once, the worker stays free
     queued = client.post("/jobs", json={"model": "cifar_net", "dataset": "fake", "epochs": 1}).json()
     client.post(f"/jobs/{queued['id']}/cancel")
     unfinished = client.post("/jobs", json={**base, "job_id": queued["id"]})

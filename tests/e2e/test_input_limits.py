@@ -1,6 +1,6 @@
-"""Every input limit follows its setting: an API (no worker needed) whose limits are all set small
-through TORCHYARD_ settings refuses what is over each one with 413 and a detail naming the limit,
-and takes what is within them."""
+"""Every input limit follows its setting, to the byte: an API (no worker needed) whose limits are
+all set small through TORCHYARD_ settings refuses what is over each one with 413 and a detail
+naming the limit, and takes what is within them, a body at exactly a size limit included."""
 
 from __future__ import annotations
 
@@ -62,6 +62,55 @@ def test_every_limit_follows_its_setting(tight_api: httpx.Client) -> None:
         ("over MAX_IMAGES_PER_REQUEST", predict([(f"{k}.png", small, "image/png") for k in range(3)])(c), 413, "images in one request"),
         ("within every limit", predict([("ok.png", small, "image/png")])(c), 404, "not found"),  # then: unknown job
     ]
+    cases += _edges(c)
     wrong = [f"{name}: {r.status_code} {r.text[:200]}" for name, r, status, says in cases
              if r.status_code != status or says not in r.json().get("detail", "")]
     assert not wrong, "\n".join(wrong)
+
+
+def _json_of(size: int) -> bytes:
+    """A job request for an unknown model, padded with JSON whitespace to exactly `size` bytes."""
+    body = b'{"model": "nosuch", "dataset": "fake"}'
+    return body + b" " * (size - len(body))
+
+
+def _dataset_body(size: int) -> tuple[bytes, str]:
+    """A multipart /datasets body of exactly `size` bytes (its file part: zeros, not a zip)."""
+    def build(file_bytes: int) -> httpx.Request:
+        return httpx.Request("POST", "http://x/datasets", files={"file": ("d.zip", bytes(file_bytes), "application/zip")})
+
+    framing = len(build(0).read())
+    request = build(size - framing)
+    return request.read(), request.headers["content-type"]
+
+
+def _edges(c: httpx.Client) -> list[tuple[str, httpx.Response, int, str]]:
+    """Each size limit at exactly its setting (taken: the request goes on to what comes next) and
+    one byte over (413 naming the limit), declared and streamed (chunked)."""
+    json_type = {"content-type": "application/json"}
+    png = blank_png((8, 8))
+    edge_png, over_png = png + bytes(3000 - len(png)), png + bytes(3001 - len(png))
+    request_at, request_type = _dataset_body(3_000_000)
+    request_over, _ = _dataset_body(3_000_001)
+    return [
+        ("json of exactly MAX_JSON_BYTES", c.post(JOB, content=_json_of(300), headers=json_type), 422, "unknown model"),
+        ("json one byte over MAX_JSON_BYTES", c.post(JOB, content=_json_of(301), headers=json_type), 413,
+         "limit of 300 bytes"),
+        ("json of exactly MAX_JSON_BYTES, chunked", c.post(JOB, content=iter([_json_of(300)]), headers=json_type), 422,
+         "unknown model"),
+        ("json one byte over MAX_JSON_BYTES, chunked", c.post(JOB, content=iter([_json_of(301)]), headers=json_type),
+         413, "limit of 300 bytes"),
+        ("image of exactly MAX_IMAGE_BYTES", predict([("edge.png", edge_png, "image/png")])(c), 404, "not found"),
+        ("image one byte over MAX_IMAGE_BYTES", predict([("over.png", over_png, "image/png")])(c), 413,
+         "limit of 3000 bytes"),
+        # The body at the request cap passes it and meets the upload cap, smaller; one byte more meets the request cap.
+        ("body of exactly MAX_REQUEST_BYTES", c.post("/datasets", content=request_at,
+                                                     headers={"content-type": request_type}), 413, "limit is 2500000"),
+        ("body one byte over MAX_REQUEST_BYTES", c.post("/datasets", content=request_over,
+                                                        headers={"content-type": request_type}), 413, "limit of 3000000"),
+        ("upload of exactly MAX_UPLOAD_BYTES", c.post("/datasets", files={"file": ("d.zip", bytes(2_500_000),
+                                                                                   "application/zip")}), 415, "not a zip"),
+        ("upload one byte over MAX_UPLOAD_BYTES", c.post("/datasets", files={"file": ("d.zip", bytes(2_500_001),
+                                                                                      "application/zip")}), 413,
+         "limit is 2500000"),
+    ]

@@ -49,11 +49,26 @@ def guarded_api(redis_base_url: str, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def _read_response(sock: socket.socket, timeout: float = 10.0) -> tuple[int, dict, bytes]:
-    """Status, headers and body of one response (the server closes the connection after it)."""
-    head, _, body = read_until_closed(sock, timeout).partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
-    return int(lines[0].split(" ")[1]), {k.lower(): v for k, v in headers.items()}, body
+    """Status, headers and body of one response, read to its Content-Length: whether the server
+    then closes the connection is for the caller to check (the `connection` header), never a
+    response cut or waited out."""
+    sock.settimeout(timeout)
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data and (chunk := sock.recv(65536)):
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:] if ": " in line)}
+        length = int(headers.get("content-length", -1))
+        while (length < 0 or len(body) < length) and (chunk := sock.recv(65536)):
+            body += chunk
+    except (ConnectionResetError, TimeoutError):
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.lower(): v for k, v in (line.split(": ", 1) for line in lines[1:] if ": " in line)}
+    assert lines[0].startswith("HTTP/"), f"no response came back, only {data[:200]!r}"
+    return int(lines[0].split(" ")[1]), headers, body
 
 
 PART = b'--x\r\nContent-Disposition: form-data; name="file"; filename="big.zip"\r\n\r\n'
@@ -79,8 +94,13 @@ def _push_body(port: int, head: bytes, total: int, chunked: bool, preamble: byte
             sent += sock.send(piece)
     except (BrokenPipeError, ConnectionResetError):
         pass
-    status, _, body = _read_response(sock)
+    status, headers, body = _read_response(sock)
     sock.close()
+    # A refusal sent before the body was read must close the connection: uvicorn would otherwise
+    # read (and discard) the rest of the body, all 300 MiB of it, to reach the next request.
+    assert headers.get("connection") == "close", (
+        f"the {status} refusal of an unread body left the connection open (no `Connection: close`; headers "
+        f"{headers}): the server goes on reading the rest of the body")
     return sent, status, json.loads(body)
 
 

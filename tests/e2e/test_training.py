@@ -139,6 +139,10 @@ def test_idempotency_validation_and_listing(stack: dict) -> None:
     again = client.post("/jobs", json=spec, headers={"Idempotency-Key": "retry-me-1"})
     assert first.status_code == 202 and again.status_code == 200
     assert again.json()["id"] == first.json()["id"]
+    other = client.post("/jobs", json={**spec, "epochs": 2}, headers={"Idempotency-Key": "retry-me-1"})
+    assert other.status_code == 422 and first.json()["id"] in other.json()["detail"], (
+        f"another body under a used Idempotency-Key must be a 422 naming the first job, not {other.status_code} "
+        f"{other.text[:200]}")
     params = first.json()["params"]
     assert params["learning_rate"] == 0.002 and params["optimizer"] == "sgd" and params["seed"] == 0
     assert params["val_fraction"] == 0.1 and params["epochs"] == 1

@@ -125,9 +125,9 @@ def test_serving_staging_uses_the_same_guarded_ring_on_a_gpu() -> None:
         torch.cuda._sleep(20_000_000)
         arrays = [np.full((3, 4, 4), 10 * k + i, dtype=np.uint8) for i in range(1 + k % 3)]
         sent.append((arrays, staging.upload(arrays, rows=4)))
-        ring = staging.rings[(3, 4, 4)]
+        ring = staging.rings[("|u1", (3, 4, 4))]
         assert ring.behind and isinstance(ring.copied[ring.slot], torch.cuda.Event)
-    assert all(buffer.is_pinned() for buffer in staging.rings[(3, 4, 4)].slots)
+    assert all(buffer.is_pinned() for buffer in staging.rings[("|u1", (3, 4, 4))].slots)
     torch.cuda.synchronize()
     for arrays, batch in sent:
         expected = torch.zeros((4, 3, 4, 4), dtype=torch.uint8)

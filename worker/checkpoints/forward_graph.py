@@ -79,20 +79,37 @@ class ServingForward(nn.Module):
         return torch.softmax(self.classifier(batch.float().div(255.0)).float(), dim=1)
 
 
+class PreprocessedServingForward(nn.Module):
+    """float32 N×C×H×W in [0, 1], preprocessed by the caller as an export's input (the Open
+    Inference Protocol's INPUT__0) → class probabilities: `ServingForward` without the scaling."""
+
+    def __init__(self, network: nn.Module, mean: tuple[float, ...], std: tuple[float, ...]) -> None:
+        super().__init__()
+        self.classifier = ClassifierWithPreprocessing(network, mean, std)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.classifier(batch).float(), dim=1)
+
+
 @dataclass(frozen=True)
 class ForwardGraph:
     run: Callable[[torch.Tensor], torch.Tensor]
     kind: str  # "torchscript", or "eager" when the trace could not be used
 
 
-def build_forward(network: nn.Module, pre: Preprocessing, device: torch.device | str) -> ForwardGraph:
-    """`network` (eval mode, on `device`) as its serving graph: traced when the trace is sound."""
-    eager = ServingForward(network, pre.mean, pre.std).to(device).eval()
+def build_forward(network: nn.Module, pre: Preprocessing, device: torch.device | str, *,
+                  preprocessed: bool = False) -> ForwardGraph:
+    """`network` (eval mode, on `device`) as its serving graph: traced when the trace is sound.
+    `preprocessed`: the graph of float32 input in [0, 1] (`PreprocessedServingForward`), else of uint8."""
+    module = PreprocessedServingForward if preprocessed else ServingForward
+    eager = module(network, pre.mean, pre.std).to(device).eval()
     # A generator of its own: drawing from torch's global one would move the random state of a
     # training job running in this process.
     generator = torch.Generator().manual_seed(0)
     example, probe = (torch.randint(0, 256, (batch, pre.channels, pre.height, pre.width), dtype=torch.uint8,
                                     generator=generator).to(device) for batch in (EXAMPLE_BATCH, PROBE_BATCH))
+    if preprocessed:
+        example, probe = example.float().div(255.0), probe.float().div(255.0)
     try:
         with thread_warnings.caught() as found, torch.no_grad(), torch.jit.optimized_execution(False):
             traced = torch.jit.trace(eager, example, check_trace=False)

@@ -53,25 +53,27 @@ class Sweeper:
     """The recovery sweep (see the module docstring); `maybe_sweep` is called by every beat."""
 
     def __init__(self, store: JobStore, paths: CheckpointPaths, instance: str, lease_ttl_s: float,
-                 every_s: float = SWEEP_EVERY_S) -> None:
+                 every_s: float = SWEEP_EVERY_S, *, monotonic: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.paths = paths
         self.instance = instance
         self.lease_ttl_s = lease_ttl_s
         self.every_s = every_s
-        self._last = 0.0
+        self.monotonic = monotonic  # the clock its waits are measured on (a test drives its own)
+        self._last = float("-inf")
 
     def maybe_sweep(self, redis_healthy_for_s: float) -> None:
-        if redis_healthy_for_s < self.lease_ttl_s or time.monotonic() - self._last < self.every_s:
+        if redis_healthy_for_s < self.lease_ttl_s or self.monotonic() - self._last < self.every_s:
             return
-        self._last = time.monotonic()
+        self._last = self.monotonic()
         client = self.store.redis
         if not client.set(keys.SWEEP_LOCK, self.instance, nx=True, px=int(self.every_s * 1000)):
             return  # another live worker sweeps this round
-        asked = time.monotonic()
+        asked = self.monotonic()
         now = redis_now(client)
-        if time.monotonic() - asked > MAX_CLOCK_ROUND_TRIP_S:
-            log.info("sweep skipped: Redis took %.1f s to tell the time", time.monotonic() - asked)
+        round_trip = self.monotonic() - asked
+        if round_trip > MAX_CLOCK_ROUND_TRIP_S:
+            log.info("sweep skipped: Redis took %.1f s to tell the time", round_trip)
             return
         for job_id in self.store.sweep_expired_leases(now):
             log.warning("job %s: its worker stopped renewing the lease; redelivered", job_id)
@@ -91,7 +93,8 @@ class Heartbeat(threading.Thread):
                  state: WorkerState, loaded_models: Callable[[], list[str]], interval_s: float,
                  inference_stats: Callable[[], dict[str, Any]] | None = None, *,
                  sweeper: Sweeper | None = None, health: DeviceHealth | None = None,
-                 take_out_of_service: Callable[[str], None] | None = None, gangs: GangScheduler | None = None) -> None:
+                 take_out_of_service: Callable[[str], None] | None = None, gangs: GangScheduler | None = None,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         super().__init__(name="torchyard-heartbeat", daemon=True)
         self.device = device
         self.instance = instance
@@ -106,9 +109,10 @@ class Heartbeat(threading.Thread):
         self.health = health or DeviceHealth()
         self.take_out_of_service = take_out_of_service or (lambda reason: self.state.out_of_service.set())
         self.stall_s = max(interval_s, 1.0)
+        self.monotonic = monotonic  # the clock beats and stalls are measured on (a test drives its own)
         self._halt = threading.Event()
         self._last_ok: float | None = None
-        self._healthy_since = time.monotonic()
+        self._healthy_since = monotonic()
         self._name = device.worker_name
         self._outage = RedisOutageLog(log, f"worker {device.worker_name}")
 
@@ -146,13 +150,13 @@ class Heartbeat(threading.Thread):
         return info
 
     def beat(self) -> None:
-        started = time.monotonic()
+        started = self.monotonic()
         job, token = self.state.current_job, self.state.current_token
         if job and token and self.state.leased and not self.store.renew_lease(job, token):
             self.state.lease_lost_by(token)
         if not self.registry.publish(self.device.id, self.instance, self.snapshot()):
             self._taken_over()
-        done = time.monotonic()
+        done = self.monotonic()
         if self._last_ok is None or done - self._last_ok > self.interval_s + self.stall_s or done - started > self.stall_s:
             self._healthy_since = done  # Redis (or this process) was away or stalled: start counting again
         self._last_ok = done
@@ -179,15 +183,20 @@ class Heartbeat(threading.Thread):
 
     def run(self) -> None:
         while not self._halt.is_set():
-            try:
-                self.beat()
-                self._outage.answered()
-            except OUTAGE_ERRORS as exc:  # Redis restarting or away: keep beating, redis-py reconnects
-                self._last_ok = None
-                self._outage.unavailable(exc)  # once per outage, and once when it answers again
-            except Exception:
-                log.exception("heartbeat error; going on")
+            self.tick()
             self._halt.wait(self.interval_s)
+
+    def tick(self) -> None:
+        """One beat of the thread's loop: an outage (or any error) is noted and the loop goes on;
+        a beat that failed on an outage starts the count of healthy time again."""
+        try:
+            self.beat()
+            self._outage.answered()
+        except OUTAGE_ERRORS as exc:  # Redis restarting or away: keep beating, redis-py reconnects
+            self._last_ok = None
+            self._outage.unavailable(exc)  # once per outage, and once when it answers again
+        except Exception:
+            log.exception("heartbeat error; going on")
 
     def stop(self) -> None:
         self._halt.set()

@@ -118,18 +118,20 @@ class HostStaging:
         self.device = device
         self.capacity = capacity
         self.count = buffers
-        self.rings: dict[tuple[int, ...], PinnedRing[torch.Tensor]] = {}  # by image shape (C, H, W)
+        # by the arrays' dtype and shape (C, H, W): uint8 decoded images, float32 preprocessed inputs
+        self.rings: dict[tuple[str, tuple[int, ...]], PinnedRing[torch.Tensor]] = {}
 
     def upload(self, arrays: list[np.ndarray], rows: int) -> torch.Tensor:
-        """`arrays` (uint8, each C×H×W) as one `rows`-long uint8 batch on the device; rows past
-        `len(arrays)` are zeros."""
-        shape = tuple(arrays[0].shape)
+        """`arrays` (each C×H×W, one dtype: uint8 images or float32 preprocessed inputs) as one
+        `rows`-long batch of that dtype on the device; rows past `len(arrays)` are zeros."""
+        shape, dtype = tuple(arrays[0].shape), arrays[0].dtype
         if rows > self.capacity or rows < len(arrays):
             raise ValueError(f"{len(arrays)} images in {rows} rows; the staging buffers hold {self.capacity}")
-        ring = self.rings.get(shape)
+        ring = self.rings.get((dtype.str, shape))
         if ring is None:
-            ring = self.rings[shape] = PinnedRing(
-                lambda pinned: torch.empty((self.capacity, *shape), dtype=torch.uint8, pin_memory=pinned),
+            torch_dtype = torch.float32 if dtype == np.float32 else torch.uint8
+            ring = self.rings[(dtype.str, shape)] = PinnedRing(
+                lambda pinned: torch.empty((self.capacity, *shape), dtype=torch_dtype, pin_memory=pinned),
                 self.device, self.count)
         buffer = ring.next()
         host = buffer.numpy()

@@ -12,6 +12,9 @@ through `Image.draft` for JPEG), as training data and batch predictions do.
 A small image is another matter: its decode costs less than sending it to a process and its
 array back, so `DecodeSplit` keeps such images on the intake thread alone.
 
+Preprocessed float32 inputs (the Open Inference Protocol's INPUT__0, core/wire.py's "fp32") have
+nothing to decode: `Decoder.start_tensors` reads them in place, checked against the model's shape.
+
 A decoding process that dies or stalls costs its chunk a second decode, one image at a time,
 never a request (worker/serving/decode_processes.py): `PendingDecode.result` always returns a
 row or a refusal for every image.
@@ -96,6 +99,26 @@ class Decoder:
         size = -(-len(data) // chunks)
         parts = [data[i:i + size] for i in range(0, len(data), size)]
         return PendingDecode(self, spec, parts, [self.processes.submit(part, spec) for part in parts])
+
+    def start_tensors(self, data: list[bytes], shapes: list[tuple[int, int, int] | None],
+                      meta: ModelMeta) -> PendingDecode:
+        """Preprocessed float32 rows (core/wire.py's "fp32" encoding): nothing to decode, each item
+        read in place as one C×H×W row once its shape is the model's; one that is not is refused
+        (422) for its own request. The API checks the shape too, against the job's record."""
+        pre = meta.preprocessing
+        wanted = (pre.channels, pre.height, pre.width)
+        rows: list[np.ndarray | None] = []
+        failures: list[tuple[int, str] | None] = []
+        for item, shape in zip(data, shapes, strict=True):
+            if shape != wanted or len(item) != 4 * pre.channels * pre.height * pre.width:
+                rows.append(None)
+                failures.append((422, f"a preprocessed input of shape {list(shape or ())} ({len(item)} bytes); "
+                                      f"this model takes float32 {list(wanted)}"))
+            else:
+                rows.append(np.frombuffer(item, dtype="<f4").reshape(wanted))
+                failures.append(None)
+        chunk = Chunk(rows, failures, 0.0)  # type: ignore[arg-type]  # a list of rows, as ndarray's rows read
+        return PendingDecode(self, InputSpec.of(pre), [data], [], done=[chunk])
 
     def decode_all(self, data: list[bytes], meta: ModelMeta) -> list[np.ndarray | BadImage]:
         return self.start(data, meta).result()

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from core.wire import Encoding
 from worker.device.cpu_threads import HEAVY_FORWARD_S, ForwardThreads
 from worker.device.health import DeviceHealth
 from worker.device.pinning import WorkerDevice
@@ -107,7 +108,7 @@ class DeviceLoop:
         if not self.cores_free.wait(timeout_s):
             log.warning("the /predict forward did not leave the cores within %gs; the job starts anyway", timeout_s)
 
-    def tune(self, entry: ResidentModel) -> None:
+    def tune(self, entry: ResidentModel, encoding: Encoding = "image") -> None:
         """Every batch shape this device will use tuned: run once as the model loads (on the loading
         thread, on the engine's stream), so that cuDNN picks its kernels then and not under traffic:
         on a GPU, the bucketed sizes; waited for on that stream alone, never behind a training
@@ -116,10 +117,11 @@ class DeviceLoop:
             return
         pre = entry.meta.preprocessing
         device = torch.device(self.device.torch_device)
+        dtype = torch.float32 if encoding == "fp32" else torch.uint8  # a preprocessed input's graph: its own shapes
         with torch.inference_mode(), torch.jit.optimized_execution(False), self.stream():
             for size in buckets(self.max_batch):
-                entry.forward.run(torch.zeros((size, pre.channels, pre.height, pre.width), dtype=torch.uint8,
-                                              device=device))
+                entry.forward_for(encoding).run(torch.zeros((size, pre.channels, pre.height, pre.width), dtype=dtype,
+                                                            device=device))
         self.stream.synchronize()
 
     # ------------------------------------------------------------------ the thread
@@ -170,7 +172,7 @@ class DeviceLoop:
         try:
             if self.health is not None:
                 self.health.inject_fault()  # the CPU twin of a device that breaks mid-forward (tests)
-            probabilities = torch.cat([self._forward(group.entry, group.arrays[i:i + self.max_batch])
+            probabilities = torch.cat([self._forward(group, group.arrays[i:i + self.max_batch])
                                        for i in range(0, len(group.arrays), self.max_batch)])
         except Exception as exc:  # a failure answers its callers and never stops the thread
             self.stats.failed()
@@ -204,13 +206,14 @@ class DeviceLoop:
         if self._most_threads <= 1:
             self.cores_free.set()
 
-    def _forward(self, entry: ResidentModel, arrays: list[np.ndarray]) -> torch.Tensor:
-        """Probabilities (on the host) of `arrays`, padded to a bucketed size where that pays."""
+    def _forward(self, group: PreparedGroup, arrays: list[np.ndarray]) -> torch.Tensor:
+        """Probabilities (on the host) of `arrays` (of `group`'s encoding), padded to a bucketed size where that pays."""
+        forward = group.entry.forward_for(group.encoding)
         assert self._staging is not None
         rows = bucket_size(len(arrays), self.max_batch) if self.pad_to_buckets else len(arrays)
         began = time.perf_counter()
         with torch.inference_mode(), self.stream():  # on a CPU `.cpu()` is the tensor itself
-            out = entry.forward.run(self._staging.upload(arrays, rows))[:len(arrays)].cpu()
+            out = forward.run(self._staging.upload(arrays, rows))[:len(arrays)].cpu()
         self.window.note_forward(time.perf_counter() - began, len(arrays))
         self.stats.record(len(arrays))
         return out

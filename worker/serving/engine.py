@@ -47,7 +47,7 @@ import torch
 
 from core.config import Settings
 from core.logs import RedisOutageLog
-from core.wire import PredictReply, PredictRequest, PreloadedModel, PreloadRequest
+from core.wire import Encoding, PredictReply, PredictRequest, PreloadedModel, PreloadRequest
 from worker.checkpoints.format import CheckpointError
 from worker.data.image_array import BadImage
 from worker.device.cpu_threads import ForwardThreads, pin_to_one_thread, usable_cores
@@ -78,6 +78,7 @@ class Decoding:
     entry: ResidentModel
     requests: list[PredictRequest]
     pending: PendingDecode
+    encoding: Encoding = "image"
 
 
 class InferenceServer:
@@ -220,14 +221,19 @@ class InferenceServer:
     def _prepare(self, requests: list[PredictRequest]) -> list[Decoding]:
         """Group by model, start decoding each group's images, answer the requests that cannot run."""
         now = time.time()
-        by_job: dict[str, list[PredictRequest]] = defaultdict(list)
+        # A model's images and its preprocessed inputs (core/wire.py's encodings) are stacked apart.
+        by_job: dict[tuple[str, Encoding], list[PredictRequest]] = defaultdict(list)
         for request in requests:
             if self.transport.local_time(request.header.deadline) >= now:  # else the caller has given up already
-                by_job[request.header.job_id].append(request)
+                by_job[(request.header.job_id, request.header.encoding)].append(request)
         batch = []
-        for job_id, group in by_job.items():
+        for (job_id, encoding), group in by_job.items():
             try:
                 entry = self._resident(job_id)
+                if encoding == "fp32" and entry.preprocessed is None:  # traced and tuned once, as `_resident`'s
+                    with self.device_loop.stream():
+                        entry.preprocessed_forward(self.cache.device)
+                        self.device_loop.tune(entry, "fp32")
             except CheckpointError as exc:
                 self.transport.send_errors(group, 409, str(exc))
                 continue
@@ -237,14 +243,18 @@ class InferenceServer:
                 self.transport.send_errors(group, 503, f"inference failed on {self.device.id}: {exc}")
                 continue
             try:
-                pending = self.decoder.start([request.image(i)[1] for request in group
-                                              for i in range(request.image_count)], entry.meta)
+                items = [request.image(i)[1] for request in group for i in range(request.image_count)]
+                if encoding == "fp32":
+                    shapes = [request.header.shape for request in group for _ in range(request.image_count)]
+                    pending = self.decoder.start_tensors(items, shapes, entry.meta)
+                else:
+                    pending = self.decoder.start(items, entry.meta)
             except Exception as exc:
                 self.stats.failed()
                 log.exception("decoding the images of job %s failed", job_id)
                 self.transport.send_errors(group, 503, f"decoding failed on {self.device.id}: {exc}")
                 continue
-            batch.append(Decoding(job_id, entry, group, pending))
+            batch.append(Decoding(job_id, entry, group, pending, encoding))
         return batch
 
     def _put(self, batch: list[Decoding]) -> None:
@@ -283,7 +293,7 @@ class InferenceServer:
         """A group's decoded images, in order, for the device loop; a request with an image that
         cannot be decoded is refused whole, naming the file at fault."""
         decoded = decoding.pending.result()
-        prepared = PreparedGroup(decoding.job_id, decoding.entry)
+        prepared = PreparedGroup(decoding.job_id, decoding.entry, encoding=decoding.encoding)
         at = 0
         for request in decoding.requests:
             mine = decoded[at:at + request.image_count]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from core.storage import CheckpointPaths
+from core.wire import Encoding
 from worker.checkpoints.format import CheckpointError, ModelMeta, load_model
 from worker.checkpoints.forward_graph import ForwardGraph, build_forward
 
@@ -37,6 +38,22 @@ class ResidentModel:
     nbytes: int
     one_image_s: float | None = None  # a CPU device's one-image forward, timed at load on the loading thread
     tuned: bool = False  # its batch shapes have run once on the device (worker/serving/device_loop.tune)
+    # float32 input in [0, 1] (preprocessed by the caller: the Open Inference Protocol's INPUT__0) →
+    # probabilities; traced the first time such a request comes (`preprocessed_forward`), sharing the parameters.
+    preprocessed: ForwardGraph | None = None
+
+    def forward_for(self, encoding: Encoding) -> ForwardGraph:
+        """The graph of a batch of `encoding`'s arrays: uint8 decoded images, or preprocessed float32."""
+        if encoding == "fp32":
+            assert self.preprocessed is not None, "preprocessed_forward runs when the model is taken for such a batch"
+            return self.preprocessed
+        return self.forward
+
+    def preprocessed_forward(self, device: str | torch.device) -> ForwardGraph:
+        """The float32 graph, traced now if this is its first use (on the loading thread)."""
+        if self.preprocessed is None:
+            self.preprocessed = build_forward(self.model, self.meta.preprocessing, device, preprocessed=True)
+        return self.preprocessed
 
 
 def file_signature(stat: os.stat_result) -> tuple[int, ...]:

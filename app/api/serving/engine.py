@@ -138,7 +138,7 @@ class PredictionClient:
         buffer = call.form.buffer if flight.message is None else bytearray(flight.message[:flight.payload_end])
         header = PredictHeader(job_id=job_id, alias=call.alias, top_k=call.top_k, reply_to=self.inbox.key,
                                request_id=flight.request_id, queued_at=self.live.clock.now(), deadline=flight.deadline,
-                               images=call.form.images)
+                               images=call.form.images, encoding=call.encoding, shape=call.shape, reply=call.reply)
         flight.message, flight.job_id = PredictRequest.frame_in_place(buffer, header), job_id
         return flight.message
 

@@ -25,6 +25,7 @@ from core.defaults import MAX_TOP_K, TOP_K
 from core.errors import InvalidInput, TooLarge, UnsupportedMedia
 from core.images import IMAGE_FORMATS, IMAGE_FORMATS_TEXT, OPENED_FORMATS, ViewReader
 from core.storage import validate_id
+from core.wire import Encoding, ReplyKind
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,11 @@ class PredictCall:
     alias: str | None
     top_k: int
     form: PredictForm
+    # What the form's items are and what the answer holds (core/wire.py): /predict's are the
+    # defaults; the Open Inference Protocol (app/api/oip/) sends preprocessed rows or wants every probability.
+    encoding: Encoding = "image"
+    shape: tuple[int, int, int] | None = None
+    reply: ReplyKind = "top_k"
 
     @classmethod
     def from_form(cls, form: PredictForm) -> PredictCall:

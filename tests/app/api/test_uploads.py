@@ -83,3 +83,22 @@ def _cut_after(receive, messages: int):
         return {**message, "more_body": False} if sent >= messages else message
 
     return cut
+
+
+def test_an_upload_of_exactly_the_cap_is_taken_and_one_byte_more_is_refused(tmp_path: Path) -> None:
+    for chunk in (None, 1000):
+        try:
+            dest, upload = _upload(tmp_path, [("file", ("edge.zip", bytes(MiB), "application/zip"))], {}, chunk=chunk,
+                                   max_file_bytes=MiB)
+        except TooLarge as exc:
+            raise AssertionError(f"an upload of exactly TORCHYARD_MAX_UPLOAD_BYTES ({MiB}) was refused: {exc}") from None
+        assert upload.bytes == MiB and dest.stat().st_size == MiB
+        dest.unlink()
+        try:
+            _upload(tmp_path, [("file", ("edge.zip", bytes(MiB + 1), "application/zip"))], {}, chunk=chunk,
+                    max_file_bytes=MiB)
+        except TooLarge as exc:
+            assert "TORCHYARD_MAX_UPLOAD_BYTES" in exc.detail
+        else:
+            raise AssertionError("an upload one byte over TORCHYARD_MAX_UPLOAD_BYTES was taken")
+        assert list(tmp_path.iterdir()) == []

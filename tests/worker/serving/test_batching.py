@@ -79,7 +79,7 @@ def test_staging_pads_rotates_and_never_hands_out_its_own_buffer() -> None:
     first = staging.upload(arrays, rows=4)
     assert first.shape == (4, 3, 4, 4) and first.dtype == torch.uint8
     assert [int(first[i, 0, 0, 0]) for i in range(4)] == [1, 2, 3, 0]  # the padded row is zeros
-    buffers = staging.rings[(3, 4, 4)].slots
+    buffers = staging.rings[("|u1", (3, 4, 4))].slots
     assert len(buffers) == 2
     assert all(first.data_ptr() != b.data_ptr() for b in buffers)
     # the next two batches go through the other buffer and then the first again: the tensor handed
@@ -89,7 +89,11 @@ def test_staging_pads_rotates_and_never_hands_out_its_own_buffer() -> None:
     assert int(buffers[0][0, 0, 0, 0]) == 9 and int(first[0, 0, 0, 0]) == 1
     # another input shape gets its own buffers
     other = staging.upload([np.zeros((1, 2, 2), dtype=np.uint8)], rows=1)
-    assert other.shape == (1, 1, 2, 2) and (1, 2, 2) in staging.rings
+    assert other.shape == (1, 1, 2, 2) and ("|u1", (1, 2, 2)) in staging.rings
+    # preprocessed float32 rows (the Open Inference Protocol's INPUT__0) get a float32 ring of their own
+    rows = staging.upload([np.full((3, 4, 4), 0.25, dtype=np.float32)], rows=2)
+    assert rows.dtype == torch.float32 and rows[0, 0, 0, 0].item() == 0.25 and rows[1].abs().sum().item() == 0
+    assert ("<f4", (3, 4, 4)) in staging.rings
     with pytest.raises(ValueError):
         staging.upload(arrays, rows=9)
     with pytest.raises(ValueError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -104,3 +105,45 @@ def test_malformed_bodies_are_refused_with_what_is_wrong(content_type: str, body
                        "headers": [(b"content-type", content_type.encode())]}, receive)
     with pytest.raises(InvalidInput, match=message):
         _read(request)
+
+
+def _refusal(request: Request, limits: FormLimits = LIMITS) -> str | None:
+    """None when the body is read, else the detail of the TooLarge it was refused with."""
+    try:
+        _read(request, limits)
+    except TooLarge as exc:
+        return exc.detail
+    return None
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7, 1000])
+def test_each_limit_takes_a_body_at_its_edge_and_refuses_one_byte_or_image_more(chunk: int | None) -> None:
+    """At exactly TORCHYARD_MAX_IMAGE_BYTES, TORCHYARD_MAX_IMAGES_PER_REQUEST and
+    TORCHYARD_MAX_PREDICT_REQUEST_BYTES a body is read; one byte (or image) more is refused, whatever
+    the chunking: an off-by-one in either direction fails here."""
+    def image(size: int) -> list:
+        return [("file", ("edge.png", b"\x89PNG" + bytes(size - 4), "image/png"))]
+
+    at = _refusal(form_request(image(LIMITS.max_image_bytes), {"job_id": "j"}, chunk=chunk))
+    assert at is None, f"an image of exactly max_image_bytes ({LIMITS.max_image_bytes}) was refused: {at}"
+    over = _refusal(form_request(image(LIMITS.max_image_bytes + 1), {"job_id": "j"}, chunk=chunk))
+    assert over is not None and "TORCHYARD_MAX_IMAGE_BYTES" in over, (
+        f"an image one byte over max_image_bytes was not refused for its size: {over}")
+
+    def images(n: int) -> list:
+        return [("file", (f"{k}.png", _png(k), "image/png")) for k in range(n)]
+
+    at = _refusal(form_request(images(LIMITS.max_images), {"job_id": "j"}, chunk=chunk))
+    assert at is None, f"exactly max_images ({LIMITS.max_images}) images were refused: {at}"
+    over = _refusal(form_request(images(LIMITS.max_images + 1), {"job_id": "j"}, chunk=chunk))
+    assert over is not None and "TORCHYARD_MAX_IMAGES_PER_REQUEST" in over, (
+        f"one image more than max_images was not refused for their number: {over}")
+
+    body = len(httpx.Request("POST", "http://x/predict", files=images(1), data={"job_id": "j"}).read())
+    exact = FormLimits(LIMITS.max_images, LIMITS.max_image_bytes, max_body_bytes=body)
+    at = _refusal(form_request(images(1), {"job_id": "j"}, chunk=chunk), exact)
+    assert at is None, f"a body of exactly max_body_bytes ({body}) was refused: {at}"
+    short = FormLimits(LIMITS.max_images, LIMITS.max_image_bytes, max_body_bytes=body - 1)
+    over = _refusal(form_request(images(1), {"job_id": "j"}, chunk=chunk), short)
+    assert over is not None and "TORCHYARD_MAX_PREDICT_REQUEST_BYTES" in over, (
+        f"a body one byte over max_body_bytes was not refused for its size: {over}")
