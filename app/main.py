@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import redis
 from fastapi import Depends, FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -22,9 +23,22 @@ from app.api.deps import bearer_scheme
 from app.api.errors import install_error_handlers, unexpected_error_response
 from app.api.front import FrontGate
 from app.api.oip import routes as oip_routes
-from app.api.routes import aliases, dashboard, datasets, devices, exports, health, jobs, metrics, models, predict
+from app.api.routes import (
+    aliases,
+    dashboard,
+    datasets,
+    devices,
+    exports,
+    health,
+    jobs,
+    metrics,
+    models,
+    predict,
+    sweeps,
+)
 from app.api.services import Services
 from app.api.serving.direct import DIRECT
+from core import keys
 from core.config import Settings, get_settings
 from core.retention import Retention
 
@@ -49,6 +63,22 @@ async def _cleanup_forever(retention: Retention, interval_s: float) -> None:
         except Exception:
             log.exception("the retention cleanup failed; it runs again in %.0f s", interval_s)
         await asyncio.sleep(min(interval_s, 60.0))
+
+
+async def _advance_sweeps_forever(services: Services, interval_s: float) -> None:
+    """The sweeps' driver in the background: every API process looks each interval, or at once when
+    a worker says a trial's job ended (ty:sweeps:nudge), and one at a time per sweep (a Redis lock)
+    tells its ended trials and asks for new ones (core/sweeps/)."""
+    while True:
+        try:
+            await run_in_threadpool(services.sweeps.advance_all)
+        except Exception as exc:
+            log.warning("advancing the sweeps failed (%s: %s); trying again in %.1f s", type(exc).__name__, exc,
+                        interval_s)
+        try:
+            await services.aredis.blpop([keys.SWEEPS_NUDGE], timeout=interval_s)
+        except redis.RedisError:
+            await asyncio.sleep(interval_s)
 
 
 class TorchyardApp(FastAPI):
@@ -97,6 +127,7 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
         app.state.services = Services.build(settings)
         app.state.services.predictions.on_orphaned = app.state.metrics.predict_orphaned.inc
         cleanup = asyncio.create_task(_cleanup_forever(app.state.services.retention, settings.cleanup_interval_s))
+        sweeping = asyncio.create_task(_advance_sweeps_forever(app.state.services, settings.sweep_tick_s))
         # What is loaded by now lives as long as the process: keep it out of the collector's full
         # passes, which otherwise scan it all and stall every request in flight for the length of a
         # pass each time (the tail latency it cost: docs/benchmarks.md, "Prediction").
@@ -104,9 +135,10 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
         try:
             yield
         finally:
-            cleanup.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await cleanup
+            for task in (cleanup, sweeping):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await app.state.services.close()
 
     # FastAPI's own /docs and /openapi.json would be open to anyone; ours sit behind the API key.
@@ -135,10 +167,10 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
                                    swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
                                    swagger_ui_parameters={"validatorUrl": None})
 
-    for module in (devices, models, datasets, jobs, predict, metrics, aliases, exports):
+    for module in (devices, models, datasets, jobs, predict, metrics, aliases, exports, sweeps):
         app.include_router(module.router, dependencies=documented)
     # The routes as declared, for the front gate to name the route of a request it refuses
     # (FastAPI keeps included routers behind wrappers of its own in app.router.routes).
     app.state.declared_routes = [route for module in (health, devices, models, datasets, jobs, predict, metrics,
-                                                      aliases, exports) for route in module.router.routes]
+                                                      aliases, exports, sweeps) for route in module.router.routes]
     return app

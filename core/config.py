@@ -234,6 +234,10 @@ class Settings(BaseSettings):
     keep_job_events_days: float = Field(default=7, ge=0, description="Event streams of finished jobs (trimmed). 0: forever.")
     keep_unused_datasets_days: float = Field(default=0, ge=0, description="Uploads no job used for this long. 0: forever.")
     cleanup_interval_s: float = Field(default=3600, gt=0, description="How often one API process runs the cleanup.")
+    # --- sweeps (core/sweeps/): how often each API process moves the running sweeps on --------------
+    sweep_tick_s: float = Field(default=1.0, gt=0, le=60, description="Each API process looks at the running "
+                                "sweeps this often (one at a time per sweep, a Redis lock): tells ended trials, "
+                                "asks for new ones.")
 
     # --- the Open Inference Protocol (/v2, app/api/oip/) -------------------------------------
     oip_max_json_bytes: int = Field(

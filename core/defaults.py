@@ -103,3 +103,17 @@ EXPORT_PARITY_IMAGES = 32
 def per_device(table: dict[str, int]) -> str:
     """How a per-device-type default reads in the contract's descriptions."""
     return f"{table['cuda']} on a GPU, {table['cpu']} on a CPU"
+
+# --- sweeps (a hyper-parameter search: core/sweeps/) -------------------------------------------
+# Trials of a sweep when the request names none, and the most one may ask for: each trial is a
+# training job with its records and files, so a sweep is bounded like a queue of jobs is.
+SWEEP_TRIALS = 16
+MAX_SWEEP_TRIALS = 1000
+# Trials running at once: beyond any host's devices, bounded so a request cannot flood the queue.
+MAX_SWEEP_PARALLEL = 64
+# Values one categorical axis (or a grid's axis) may list.
+MAX_SWEEP_CHOICES = 100
+# The median pruner's patience (Optuna's defaults): it prunes nothing until this many trials
+# completed, and judges no trial before this many epochs.
+SWEEP_STARTUP_TRIALS = 5
+SWEEP_WARMUP_EPOCHS = 0

@@ -48,6 +48,17 @@ Layout::
     ty:mlflow:lock:<job id>          string the worker shipping that job's run now (TTL)
     ty:mlflow:aliases                hash   alias name -> the job its MLflow `current` alias points at
     ty:mlflow:aliases:lock           string the worker syncing the aliases to MLflow's registry now (TTL)
+
+    ty:sweeps                        zset   every sweep id (lexicographic = chronological): core/sweeps/
+    ty:sweeps:active                 set    sweeps with a trial still to ask or to tell (the API's tick)
+    ty:sweeps:nudge                  list   sweeps whose trial's job just ended (a worker's push wakes an API's tick)
+    ty:sweeps:<id>                   hash   a sweep's record: its request, status, outcome
+    ty:sweeps:<id>:jobs              hash   trial number -> its training job (and trial number -> error)
+    ty:sweeps:<id>:events            stream trial and status events, SSE ids
+    ty:sweeps:<id>:lock              string the process that advances the sweep now (short TTL)
+    ty:sweeps:idem:<key>             string POST /sweeps' Idempotency-Key -> {"sweep", "body"} (24 h)
+    ty:optuna:<sweep id>:*           the sweep's Optuna study: its journal (JournalRedisBackend's log_number, log:<n>,
+                                            snapshot), one per sweep
 """
 
 from __future__ import annotations
@@ -165,3 +176,29 @@ MLFLOW_ALIASES_LOCK = f"{PREFIX}mlflow:aliases:lock"
 
 def mlflow_lock(job_id: str) -> str:
     return f"{PREFIX}mlflow:lock:{job_id}"
+
+# --- sweeps (core/sweeps/) ---------------------------------------------------------------------
+SWEEPS_INDEX = f"{PREFIX}sweeps"
+SWEEPS_ACTIVE = f"{PREFIX}sweeps:active"
+SWEEPS_NUDGE = f"{PREFIX}sweeps:nudge"
+OPTUNA_PREFIX = f"{PREFIX}optuna:"
+
+
+def sweep(sweep_id: str) -> str:
+    return f"{PREFIX}sweeps:{sweep_id}"
+
+
+def sweep_jobs(sweep_id: str) -> str:
+    return f"{PREFIX}sweeps:{sweep_id}:jobs"
+
+
+def sweep_events(sweep_id: str) -> str:
+    return f"{PREFIX}sweeps:{sweep_id}:events"
+
+
+def sweep_lock(sweep_id: str) -> str:
+    return f"{PREFIX}sweeps:{sweep_id}:lock"
+
+
+def sweep_idempotency(key: str) -> str:
+    return f"{PREFIX}sweeps:idem:{key}"

@@ -220,6 +220,10 @@ class Job(BaseModel):
     mlflow: MlflowRun | None = Field(
         default=None, description="Its MLflow run, when the service tracks to MLflow (TORCHYARD_MLFLOW_TRACKING_URI).")
 
+    # --- a sweep's trial (core/sweeps/) -------------------------------------------------------
+    sweep_id: str | None = Field(default=None, description="The sweep this job is a trial of.")
+    trial: int | None = Field(default=None, description="Its trial's number in that sweep.")
+
     @model_validator(mode="before")
     @classmethod
     def _from_params(cls, data: Any) -> Any:

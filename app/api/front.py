@@ -89,6 +89,7 @@ def route_rules(settings: Settings) -> list[Rule]:
              RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
         Rule(frozenset({"POST"}), "/aliases/{name}/rollback",
              RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
+        Rule(frozenset({"POST"}), "/sweeps", RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
     ]
 
 

@@ -25,6 +25,8 @@ from core.redis import connect, connect_async
 from core.retention import JobDeletion, Retention
 from core.schemas import Job
 from core.storage import CheckpointPaths
+from core.sweeps.coordinator import SweepCoordinator
+from core.sweeps.records import SweepRecords
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Services:
     evaluations: Evaluations
     batch_predictions: BatchPredictions
     oip: OpenInference  # the Open Inference Protocol (/v2), on the predictions' engine
+    sweeps: SweepCoordinator
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -67,7 +70,9 @@ class Services:
                    deletion=deletion, retention=Retention(settings, client, jobs, datasets, deletion),
                    evaluations=Evaluations(jobs, datasets, devices, settings),
                    batch_predictions=BatchPredictions(jobs, datasets, devices, settings),
-                   oip=OpenInference.build(predictions, settings))
+                   oip=OpenInference.build(predictions, settings),
+                   sweeps=SweepCoordinator(SweepRecords(client), jobs, JobSubmission(jobs, datasets, devices, settings),
+                                           devices, url))
 
     async def close(self) -> None:
         await self.predictions.close()

@@ -41,26 +41,31 @@ def parse_last_event_id(value: str | None) -> str | None:
     return value.strip()
 
 
-async def _job_events(client: aioredis.Redis, job_id: str, last_event_id: str | None
+async def _job_events(client: aioredis.Redis, job_id: str, last_event_id: str | None,
+                      record: str | None = None, stream: str | None = None, status_field: str = "status",
                       ) -> AsyncIterator[ServerSentEvent]:
+    """A job's events (or, given its record's and stream's keys, another record's: a sweep's, whose
+    record says it ended in `ended`: a cancelled sweep's `status` is set before its trials are told)."""
     cursor = last_event_id or "0-0"
     yield ServerSentEvent(retry=RETRY_MS)
     try:
-        async for event in _read_events(client, job_id, cursor):
+        async for event in _read_events(client, record or keys.job(job_id), stream or keys.job_events(job_id),
+                                        cursor, status_field):
             yield event
     except redis.RedisError as exc:
         # Redis went away mid-stream: the status line was sent long ago, so end the stream cleanly;
         # the client reconnects with Last-Event-ID and gets a 503 until Redis is back, then the rest.
-        log.warning("event stream of job %s ended: Redis is unavailable (%s)", job_id, exc)
+        log.warning("event stream of %s ended: Redis is unavailable (%s)", record or f"job {job_id}", exc)
 
 
-async def _read_events(client: aioredis.Redis, job_id: str, cursor: str) -> AsyncIterator[ServerSentEvent]:
+async def _read_events(client: aioredis.Redis, record: str, stream: str, cursor: str, status_field: str
+                       ) -> AsyncIterator[ServerSentEvent]:
     while True:
-        batch = await client.xread({keys.job_events(job_id): cursor}, count=100)
+        batch = await client.xread({stream: cursor}, count=100)
         if not batch:
-            if await client.hget(keys.job(job_id), "status") in _TERMINAL:
+            if await client.hget(record, status_field) in _TERMINAL:
                 return  # the terminal event was sent before this client's Last-Event-ID
-            batch = await client.xread({keys.job_events(job_id): cursor}, block=BLOCK_MS, count=100)
+            batch = await client.xread({stream: cursor}, block=BLOCK_MS, count=100)
             if not batch:
                 continue
         for event_id, fields in batch[0][1]:
@@ -73,3 +78,10 @@ async def _read_events(client: aioredis.Redis, job_id: str, cursor: str) -> Asyn
 def job_event_response(client: aioredis.Redis, job_id: str, last_event_id: str | None) -> EventSourceResponse:
     return EventSourceResponse(_job_events(client, job_id, last_event_id), ping=PING_S, sep="\n",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def sweep_event_response(client: aioredis.Redis, sweep_id: str, last_event_id: str | None) -> EventSourceResponse:
+    """A sweep's events (core/sweeps/records.py): `trial` (asked, told) and `status`, ending with its end."""
+    return EventSourceResponse(_job_events(client, sweep_id, last_event_id, keys.sweep(sweep_id),
+                                           keys.sweep_events(sweep_id), "ended"),
+                               ping=PING_S, sep="\n", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

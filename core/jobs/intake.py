@@ -74,7 +74,7 @@ class Intake(JobStoreBase):
 
     def create(self, *, model: str, dataset: str, params: JobParams, requested_device: str,
                idempotency_key: str | None = None, body_digest: str | None = None,
-               depends_on: str | None = None) -> tuple[Job, bool]:
+               depends_on: str | None = None, tags: Mapping[str, str] | None = None) -> tuple[Job, bool]:
         """Record a queued job of `params`' kind and dispatch it. Returns (job, created); a repeated key
         returns the first.
 
@@ -84,7 +84,8 @@ class Intake(JobStoreBase):
         (`depends_on`: init_from, an evaluation, a batch prediction, an export), the job among that
         one's dependents (core/lineage.py): a crash can leave all of them or none, so a job never
         exists whose source a delete does not know it needs. The source is watched, and a source
-        deleted since the caller checked it is refused here (NotFound), not given a dependent."""
+        deleted since the caller checked it is refused here (NotFound), not given a dependent.
+        `tags` are written into the record as they are (a sweep's trial: `sweep_id`, `trial`)."""
         if idempotency_key is not None and len(idempotency_key) > MAX_IDEMPOTENCY_KEY:
             raise InvalidInput(f"Idempotency-Key is longer than {MAX_IDEMPOTENCY_KEY} characters")
         idem_key = keys.idempotency(idempotency_key) if idempotency_key else None
@@ -97,7 +98,7 @@ class Intake(JobStoreBase):
             "dataset": dataset, "params": json.dumps(stored), "requested_device": requested_device, "queue": queue,
             "progress": json.dumps(Progress(epochs=params.total_epochs).model_dump()),
             "metrics": "[]", "attempts": 0, "created_at": utc_now_iso(), "delivery": token,
-            "message": f"waiting for a worker on queue {queue}",
+            "message": f"waiting for a worker on queue {queue}", **(tags or {}),
         }
         earlier: list[str] = []
         source = keys.job(depends_on) if depends_on else None

@@ -16,3 +16,11 @@ def cifar_pair(stack: dict) -> tuple[str, str]:
     done = [wait_for_job(client, j["id"], {"succeeded", "failed"}, timeout=240) for j in jobs]
     assert [d["status"] for d in done] == ["succeeded", "succeeded"], [d.get("error") for d in done]
     return done[0]["id"], done[1]["id"]
+
+
+@pytest.fixture(scope="session")
+def grid_sweep(stack: dict) -> dict:
+    """The small grid sweep (tests/e2e/sweeps_support.GRID_BODY) run to its end once, as it ended."""
+    from tests.e2e.sweeps_support import run_grid_sweep
+
+    return run_grid_sweep(stack["client"])

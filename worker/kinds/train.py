@@ -28,6 +28,7 @@ from worker.data.datasets import ImageTensors, load_dataset
 from worker.runtime.job_context import JobContext, JobFailed, JobOutcome
 from worker.training import init_weights
 from worker.training.init_weights import InitialWeights
+from worker.training.pruning import trial_judge
 from worker.training.trainer import Trainer, TrainingResult, plan_training
 
 
@@ -72,7 +73,8 @@ def run_train_job(job: Job, ctx: JobContext) -> JobOutcome:
     trainer = Trainer(plan, inputs.data, final_path=ctx.output_path("model.pt"), resume_from=ctx.resume_state(),
                       resume_to=lambda epoch: ctx.scratch_path(f"resume-{epoch}.pt"),
                       reporter=ctx.reporter, should_stop=ctx.should_stop, dataset=job.dataset, initial=inputs.initial,
-                      resize_size=inputs.resize)
+                      resize_size=inputs.resize,
+                      judge=trial_judge(job, ctx.settings.resolved_redis_url(), ctx.store.redis))
     return record_outcome(job, ctx, trainer.run())
 
 

@@ -22,6 +22,7 @@ from core.jobs import JobStore, NotOwner
 from core.redis import OUTAGE_ERRORS
 from core.schemas import JobKind, JobStatus
 from core.storage import CheckpointPaths
+from core.sweeps.records import nudge
 from worker.checkpoints.format import CheckpointError
 from worker.data.datasets import DatasetUnavailable
 from worker.device.cpu_threads import run_in_own_thread
@@ -114,6 +115,21 @@ class JobRunner:
             self.state.end()
 
     def _execute(self, delivery: Delivery, handler: JobHandler | None = None) -> None:
+        try:
+            self._run_and_finish(delivery, handler)
+        finally:
+            self._nudge_sweep(delivery.job_id)
+
+    def _nudge_sweep(self, job_id: str) -> None:
+        """A sweep's trial ended here: wake an API process to tell it and ask the next (core/sweeps/)."""
+        try:
+            sweep_id = self.store.raw_field(job_id, "sweep_id")
+            if sweep_id:
+                nudge(self.store.redis, sweep_id)
+        except OUTAGE_ERRORS:
+            pass  # the API's tick finds it anyway
+
+    def _run_and_finish(self, delivery: Delivery, handler: JobHandler | None = None) -> None:
         job_id = delivery.job_id
         try:
             job = delivery.call(self.store.get, job_id)

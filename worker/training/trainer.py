@@ -57,6 +57,10 @@ PROGRESS_EVERY_S = 0.5
 RESIDENT_SHARE = 0.4
 
 
+# After an epoch: (the epoch, its logged values by name) -> why training stops here, or None.
+EpochJudge = Callable[[int, dict[str, float | None]], str | None]
+
+
 class NonFiniteLoss(Exception):
     pass
 
@@ -121,7 +125,7 @@ class Trainer:
     def __init__(self, plan: TrainingPlan, data: ImageTensors, *, final_path: Path, resume_from: Path | None,
                  resume_to: Callable[[int], Path], reporter: JobReporter, should_stop: Callable[[], str | None],
                  dataset: str = "", initial: InitialWeights | None = None, resize_size: int | None = None,
-                 placement: Placement | None = None) -> None:
+                 placement: Placement | None = None, judge: EpochJudge | None = None) -> None:
         self.plan = plan
         self.data = data
         self.final_path = final_path
@@ -136,6 +140,7 @@ class Trainer:
         self.resize_size = resize_size
         self.device = torch.device(plan.device.device)
         self.placement = placement or OneDevice()
+        self.judge = judge  # a sweep's trial: its pruner's verdict after each epoch (worker/training/pruning.py)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> TrainingResult:
@@ -237,6 +242,13 @@ class Trainer:
                 best = BestEpoch.of(epoch, model, measured)
             if stopper.should_stop and epoch < params.epochs:
                 stop_reason = stopper.reason()
+            stop_kind = "early_stop"
+            if stop_reason is None and self.judge is not None and epoch < params.epochs:
+                stop_reason = self.judge(epoch, {
+                    "train_loss": train_loss, "train_accuracy": int(correct) / n,
+                    "val_loss": measured.loss if measured else None,
+                    "val_accuracy": measured.accuracy if measured else None})
+                stop_kind = "pruned"
             final_epoch = epoch == params.epochs or stop_reason is not None
             metrics = EpochMetrics(
                 epoch=epoch, train_loss=round(train_loss, 6), train_accuracy=round(int(correct) / n, 6),
@@ -253,7 +265,7 @@ class Trainer:
             self.reporter.epoch(metrics, resume)
             self.reporter.progress(Progress(epoch=epoch, epochs=params.epochs, step=steps, steps=steps))
             if stop_reason is not None:
-                self.reporter.notice("early_stop", {"epoch": epoch, "best_epoch": stopper.best_epoch}, stop_reason)
+                self.reporter.notice(stop_kind, {"epoch": epoch, "best_epoch": stopper.best_epoch}, stop_reason)
                 break
         epochs_run = history[-1].epoch if history else epoch
         stop_reason = stop_reason or f"completed {epochs_run} epochs"

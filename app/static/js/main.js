@@ -1,5 +1,5 @@
 // torchyard dashboard: plain JS modules, no libraries, nothing fetched from anywhere but this server.
-// Each view has a URL: `#/` the overview, `#/jobs/<id>` a job (link, bookmark, reload, back).
+// Each view has a URL: `#/` the overview, `#/jobs/<id>` a job, `#/sweeps/<id>` a sweep (link, bookmark, reload, back).
 import { refreshAliases } from "./aliases.js";
 import { apiKey, setApiKey } from "./api.js";
 import { refreshDevices } from "./devices.js";
@@ -7,16 +7,21 @@ import { $ } from "./dom.js";
 import { loadChoices, onJobsListed, refreshJobs, refreshStartFrom, startJob } from "./jobs.js";
 import { onJobChanged, openJob, redraw, selectedJob, wireJobView } from "./jobview.js";
 import { refreshPredictJobs, wirePredict } from "./predict.js";
+import { openSweep, refreshSweeps, selectedSweep, wireSweepView } from "./sweeps.js";
 
 function route() {
   const match = location.hash.match(/^#\/jobs\/([^/]+)$/);
   const jobId = match ? decodeURIComponent(match[1]) : null;
   if (jobId !== selectedJob()) openJob(jobId);
   if (jobId) $("job-view").scrollIntoView({ block: "nearest" });
+  const sweep = location.hash.match(/^#\/sweeps\/([^/]+)$/);
+  const sweepId = sweep ? decodeURIComponent(sweep[1]) : null;
+  if (sweepId !== selectedSweep()) openSweep(sweepId);
+  if (sweepId) $("sweep-view").scrollIntoView({ block: "nearest" });
 }
 
 async function refreshAll() {
-  await Promise.all([loadChoices(), refreshDevices(), refreshJobs(), refreshAliases()]);
+  await Promise.all([loadChoices(), refreshDevices(), refreshJobs(), refreshAliases(), refreshSweeps()]);
 }
 
 function wire() {
@@ -36,6 +41,7 @@ function wire() {
   });
   wireJobView();
   wirePredict();
+  wireSweepView();
   $("footer-url").textContent = location.origin;
   window.addEventListener("resize", redraw);
   window.addEventListener("hashchange", route);
@@ -47,3 +53,4 @@ refreshAll();
 setInterval(refreshDevices, 2000);
 setInterval(refreshJobs, 3000);
 setInterval(refreshAliases, 5000);
+setInterval(refreshSweeps, 5000);

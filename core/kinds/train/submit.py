@@ -11,6 +11,9 @@ of the workers that could take it (core/admission.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+
 from core.admission import check_admission, job_shape
 from core.datasets import DatasetRecord, split_sizes
 from core.errors import InvalidInput, NotFound
@@ -24,12 +27,34 @@ from models.pretrained import missing_message
 from models.registry import ModelSpec
 
 
+@dataclass(frozen=True)
+class CheckedJob:
+    """A training request checked against the world: what the job store needs to create it."""
+
+    model: str
+    dataset: str
+    params: TrainingParams
+    device: str
+    parent: str | None
+
+
 class JobSubmission(Submitter):
-    def submit(self, spec: JobSpec, idempotency_key: str | None = None) -> tuple[Job, bool]:
-        """The job as created (and True), or the earlier job of the same Idempotency-Key (and False)."""
+    def submit(self, spec: JobSpec, idempotency_key: str | None = None,
+               tags: Mapping[str, str] | None = None) -> tuple[Job, bool]:
+        """The job as created (and True), or the earlier job of the same Idempotency-Key (and False).
+        `tags`: fields of the record that say what the job belongs to (a sweep's trial: core/sweeps/)."""
         digest, earlier = self.replay(spec.kind, spec.model_dump(mode="json"), idempotency_key)
         if earlier is not None:  # a retry: its job, whatever changed since it was checked
             return earlier, False
+        checked = self.check(spec)
+        job, created = self.store.create(model=checked.model, dataset=checked.dataset, params=checked.params,
+                                         requested_device=checked.device, idempotency_key=idempotency_key,
+                                         body_digest=digest, depends_on=checked.parent, tags=tags)
+        return job, created
+
+    def check(self, spec: JobSpec) -> CheckedJob:
+        """Everything POST /jobs checks before it creates a job (InvalidInput saying why not); a sweep
+        checks its base body with it before it asks for a trial."""
         model = known_model(spec.model)
         parent = self._parent(spec, model) if spec.init_from else None
         params = resolve_params(spec, model, TrainingParams.of(parent) if parent is not None else None)
@@ -42,10 +67,7 @@ class JobSubmission(Submitter):
         device = self.devices.validate_request(spec.device)
         check_world_size(params.world_size, device, self.devices.all())
         check_admission(job_shape(model, dataset, params), self._eligible(device), self.settings)
-        job, created = self.store.create(model=spec.model, dataset=dataset.id, params=params,
-                                         requested_device=device, idempotency_key=idempotency_key,
-                                         body_digest=digest, depends_on=parent.id if parent is not None else None)
-        return job, created
+        return CheckedJob(spec.model, dataset.id, params, device, parent.id if parent is not None else None)
 
     def _parent(self, spec: JobSpec, model: ModelSpec) -> Job:
         """The job `init_from` names, when its weights can start this one; InvalidInput saying why not."""
