@@ -64,17 +64,28 @@ def _datasets_upload(client: TorchyardClient, args: argparse.Namespace) -> int:
     err = output.console(sys.stderr)
     if not args.json:
         err.print(f"uploading {args.path} …")
-    record = client.upload_dataset(args.path, args.name, labeled=not args.unlabeled)
+    record = client.upload_dataset(args.path, args.name, labeled=not args.unlabeled, new_version=args.new_version)
     if args.json:
         output.emit_json(record)
         return EXIT_OK
     out = output.console()
-    out.print(f"dataset {record['id']} ({record.get('name')}): {record.get('num_images')} images, "
-              f"{len(record.get('classes') or [])} classes")
+    version = f", version {record['version']}" if record.get("version", 1) > 1 else ""
+    out.print(f"dataset {record['id']} ({record.get('name')}{version}): "
+              f"{output.count(record.get('num_images') or 0, 'image')}, "
+              f"{output.count(len(record.get('classes') or []), 'class', 'classes')}")
     for name, count in (record.get("class_counts") or {}).items():
         out.print(f"  {name}: {count}")
     for skipped in record.get("skipped") or []:
         err.print(f"  skipped {skipped.get('path')}: {skipped.get('reason')}")
+    return EXIT_OK
+
+
+def _datasets_delete(client: TorchyardClient, args: argparse.Namespace) -> int:
+    from client import output
+
+    client.delete("datasets", args.dataset)
+    if not args.json:
+        output.console().print(f"dataset {args.dataset} deleted")
     return EXIT_OK
 
 
@@ -91,3 +102,8 @@ def register(command: Command, group: Group) -> None:
     upload.add_argument("--name", help="a label for the dataset")
     upload.add_argument("--unlabeled", action="store_true", help="images at any depth, no class folders "
                                                                  "(for predict-folder only)")
+    upload.add_argument("--new-version", action="store_true", help="the --name is taken: make this its next "
+                                                                   "version (the name then means this one; the older "
+                                                                   "keeps its id)")
+    delete = command("delete", _datasets_delete, "delete an uploaded dataset (its files too)", datasets)
+    delete.add_argument("dataset", metavar="NAME|ID", help="an id, or a name (its newest version)")

@@ -89,6 +89,15 @@ def _cancel(client: TorchyardClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _delete(client: TorchyardClient, args: argparse.Namespace) -> int:
+    from client import output
+
+    client.delete("jobs", args.job_id)
+    if not args.json:
+        output.console().print(f"job {args.job_id} deleted")
+    return EXIT_OK
+
+
 def register(command: Command) -> None:
     train = command("train", _train, "start a training job and follow it to the end")
     train.add_argument("--model", required=True, help="architecture, e.g. cifar_net (see `torchyard models`)")
@@ -148,3 +157,7 @@ def register(command: Command) -> None:
 
     cancel = command("cancel", _cancel, "cancel a queued or running job")
     cancel.add_argument("job_id")
+
+    delete = command("delete", _delete, "delete a finished job: its record, checkpoint and files (refused, "
+                                        "with the reason, while an alias points at it or a job uses it)")
+    delete.add_argument("job_id", metavar="JOB")

@@ -8,11 +8,11 @@ from sse_starlette import EventSourceResponse
 
 from app.api.deps import ServicesDep
 from app.api.sse import job_event_response, parse_last_event_id
-from core.errors import NotFound
 from core.kinds.batch_predict.spec import BatchPredictSpec
 from core.kinds.batch_predict.submit import RESULTS_MEDIA_TYPE, download_name
 from core.kinds.evaluate.spec import EvaluateSpec
 from core.kinds.request import JobRequest
+from core.lineage import downloadable_checkpoint
 from core.schemas import Evaluation, Job, JobList, JobStatus
 from core.storage import CheckpointPaths
 
@@ -75,12 +75,14 @@ def job_events(services: ServicesDep, job_id: str,
 
 
 @router.get("/jobs/{job_id}/checkpoint", response_class=FileResponse,
-            responses={200: {"content": {"application/octet-stream": {}}}})
+            responses={200: {"content": {"application/octet-stream": {}}},
+                       404: {"description": "unknown job, a job of another kind, or one that ended without a "
+                                            "checkpoint"},
+                       409: {"description": "queued or running: the checkpoint is written when it succeeds"}})
 def download_checkpoint(services: ServicesDep, job_id: str) -> FileResponse:
-    job = services.jobs.get(job_id)
-    path = CheckpointPaths(services.settings.checkpoints_dir).final(job_id)
-    if job.checkpoint is None or not path.exists():
-        raise NotFound(f"job {job_id} has no checkpoint (it is {job.status.value})")
+    """A succeeded training job's weights, streamed, with their sha256 in `X-Checkpoint-SHA256`."""
+    job, path = downloadable_checkpoint(services.jobs, CheckpointPaths(services.settings.checkpoints_dir), job_id)
+    assert job.checkpoint is not None
     return FileResponse(path, media_type="application/octet-stream", filename=f"{job.model}-{job_id}.pt",
                         headers={"X-Checkpoint-SHA256": job.checkpoint.sha256})
 
