@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from client.commands.base import EXIT_OK, Command, Group
+from client.commands.base import EXIT_ERROR, EXIT_OK, Command, Group
 
 if TYPE_CHECKING:
     from client.sdk import TorchyardClient
@@ -58,10 +59,24 @@ def _datasets_list(client: TorchyardClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _flat_folder(path: Path) -> str | None:
+    """`N images` when `path` is a directory of files with no sub-folder: images without classes."""
+    if not path.is_dir() or any(p.is_dir() and not p.name.startswith(".") for p in path.iterdir()):
+        return None
+    files = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
+    return f"{len(files)} file{'' if len(files) == 1 else 's'}" if files else None
+
+
 def _datasets_upload(client: TorchyardClient, args: argparse.Namespace) -> int:
     from client import output
 
     err = output.console(sys.stderr)
+    flat = _flat_folder(Path(args.path)) if not args.unlabeled else None
+    if flat:
+        err.print(f"torchyard: error: {args.path} holds {flat} but no <class> folders: to train on them, put "
+                  f"each class's images in a folder of its own; to label them with a trained model, "
+                  f"`torchyard predict-folder {args.path} --job ID` (or upload them with --unlabeled)")
+        return EXIT_ERROR
     if not args.json:
         err.print(f"uploading {args.path} …")
     record = client.upload_dataset(args.path, args.name, labeled=not args.unlabeled, new_version=args.new_version)

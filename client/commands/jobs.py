@@ -24,7 +24,7 @@ def _train(client: TorchyardClient, args: argparse.Namespace) -> int:
                         keep=args.keep, init_from=args.init_from, pretrained=args.pretrained or None,
                         precision=args.precision, world_size=args.world_size, elastic=args.elastic or None)
     output.console(sys.stderr).print(f"job {job.id} queued: {job.model} on {job.dataset_name or job.dataset}, "
-                                     f"{job.progress.epochs} epochs, device {job.requested_device}")
+                                     f"{output.count(job.progress.epochs, 'epoch')}, device {job.requested_device}")
     if args.detach:
         return detached(job, job.id, args)
     return follow_and_report(client, job, args)

@@ -39,6 +39,8 @@ def test_a_running_job_an_evaluation_and_a_kept_job_say_what_they_are(stack: dic
     weights = client.get(f"/jobs/{evaluation['id']}/checkpoint")
     assert weights.status_code == 404 and f"an evaluation of job {trained}" in weights.json()["detail"]
 
+    aliased = client.put("/aliases/edges-kept", json={"job_id": evaluation["id"]})
+    assert aliased.status_code == 409 and f"is an evaluation of job {trained}" in aliased.json()["detail"]
     assert client.put("/aliases/edges-kept", json={"job_id": trained}).status_code in (200, 201)
     try:
         kept = cli(stack, "delete", trained)
