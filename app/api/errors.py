@@ -15,6 +15,7 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import TorchyardError, Unavailable
@@ -75,9 +76,10 @@ def nearest_field(loc: Sequence[str | int], name: str) -> str | None:
     from core.kinds.evaluate.spec import EvaluateSpec
     from core.kinds.train.spec import JobSpec
 
-    by_tag = {JobKind.train.value: JobSpec, JobKind.batch_predict.value: BatchPredictSpec}
+    by_tag: dict[str | int, type[BaseModel]] = {JobKind.train.value: JobSpec,
+                                                JobKind.batch_predict.value: BatchPredictSpec}
     tag = loc[1] if len(loc) > 2 and loc[0] == "body" else None
-    specs = [by_tag[tag]] if tag in by_tag else [JobSpec, BatchPredictSpec, EvaluateSpec]
+    specs = [by_tag[tag]] if tag is not None and tag in by_tag else [JobSpec, BatchPredictSpec, EvaluateSpec]
     fields = sorted({f for spec in specs for f in spec.model_fields})
     meant = _FIELD_ABBREVIATIONS.get(name.lower())
     if meant in fields:
