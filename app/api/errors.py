@@ -79,7 +79,7 @@ def nearest_field(loc: Sequence[str | int], name: str) -> str | None:
     by_tag: dict[str | int, type[BaseModel]] = {JobKind.train.value: JobSpec,
                                                 JobKind.batch_predict.value: BatchPredictSpec}
     tag = loc[1] if len(loc) > 2 and loc[0] == "body" else None
-    specs = [by_tag[tag]] if tag is not None and tag in by_tag else [JobSpec, BatchPredictSpec, EvaluateSpec]
+    specs: list[type[BaseModel]] = [by_tag[tag]] if tag is not None and tag in by_tag else [JobSpec, BatchPredictSpec, EvaluateSpec]
     fields = sorted({f for spec in specs for f in spec.model_fields})
     meant = _FIELD_ABBREVIATIONS.get(name.lower())
     if meant in fields:
