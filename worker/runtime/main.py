@@ -140,11 +140,13 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     worker_shutting_down.connect(lambda **_: state.shutdown.set(), weak=False)
     _sigterm_before_celery(state)
     threading.Thread(target=_prepare_for_jobs, name="prepare-for-jobs", daemon=True).start()
+    # Said before the first heartbeat: from that beat on the stack is ready (/readyz), and `up`'s
+    # banner, which waits for it, comes after this line in its log.
+    log.info("worker %s on %s (torch %s, CUDA_VISIBLE_DEVICES=%r)", device.worker_name, device.id,
+             torch.__version__, os.environ.get("CUDA_VISIBLE_DEVICES"))
     heartbeat.beat()
     heartbeat.start()
     inference.start()
-    log.info("worker %s on %s (torch %s, CUDA_VISIBLE_DEVICES=%r)", device.worker_name, device.id,
-             torch.__version__, os.environ.get("CUDA_VISIBLE_DEVICES"))
     worker = celery.Worker(hostname=device.worker_name, pool="solo", concurrency=1,
                            queues=_current.queues(), without_gossip=True, without_mingle=True,
                            optimization="fair", loglevel="INFO")
