@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.e2e.test_cli import cli
-from tests.support import REPO, wait_for_job
+from tests.support import REPO, wait_for_job, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -23,6 +23,8 @@ def test_a_running_job_an_evaluation_and_a_kept_job_say_what_they_are(stack: dic
     running = client.get(f"/jobs/{long['id']}/checkpoint")
     assert running.status_code == 409, running.text
     assert "still running; its checkpoint is written when it succeeds" in running.json()["detail"]
+    # A CPU device's utilisation is its worker's own use of the host's CPUs, busy now ...
+    wait_until(lambda: (_cpu_device(client)["utilization_percent"] or 0) > 5, timeout=30, what="a busy CPU device")
     refused = cli(stack, "delete", long["id"])
     assert refused.returncode == 1 and "cancel it first" in refused.stderr, refused.stderr
     assert client.post(f"/jobs/{long['id']}/cancel").status_code == 202
@@ -54,3 +56,11 @@ def test_a_running_job_an_evaluation_and_a_kept_job_say_what_they_are(stack: dic
         deleted = cli(stack, "delete", job_id)
         assert deleted.returncode == 0 and f"job {job_id} deleted" in deleted.stdout, deleted.stderr
         assert client.get(f"/jobs/{job_id}").status_code == 404
+
+    # ... and near nothing once it is idle, however busy the host is with other programs.
+    wait_until(lambda: (d := _cpu_device(client))["status"] == "idle" and d["utilization_percent"] < 30, timeout=60,
+               what="an idle CPU device to show its own, idle use")
+
+
+def _cpu_device(client) -> dict:
+    return next(d for d in client.get("/devices").json()["devices"] if d["type"] == "cpu" and d["status"] != "offline")

@@ -38,3 +38,12 @@ def test_a_flat_folder_is_pointed_at_predict_folder_and_counts_agree(stack: dict
     assert one.returncode == 0, one.stderr
     assert "1 epoch, device" in one.stderr and "1 epochs" not in one.stderr, one.stderr
     stack["client"].post(f"/jobs/{one.stdout.strip()}/cancel")
+
+
+def test_a_piped_table_has_no_padding(stack: dict) -> None:
+    """Into a pipe the table's lines end where their text does (rich padded each to the widest row)."""
+    for command in (("models",), ("datasets",), ("devices",)):
+        listed = cli(stack, *command)
+        assert listed.returncode == 0, listed.stderr
+        lines = listed.stdout.splitlines()
+        assert len(lines) >= 3 and all(line == line.rstrip() for line in lines), (command, lines)
