@@ -4,13 +4,14 @@ agree. Against the shared stack."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from tests.e2e.test_cli import cli
-from tests.support import png_bytes
+from tests.support import png_bytes, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -47,3 +48,16 @@ def test_a_piped_table_has_no_padding(stack: dict) -> None:
         assert listed.returncode == 0, listed.stderr
         lines = listed.stdout.splitlines()
         assert len(lines) >= 3 and all(line == line.rstrip() for line in lines), (command, lines)
+
+
+def test_a_worker_starts_without_celerys_root_warning(stack: dict) -> None:
+    """Run as root (`make run` on a root shell, a root container), Celery warned at every start; the
+    worker accepts JSON only, the danger it warns of. Its log shows Celery's banner and no warning."""
+    banner = re.compile(r"-{5,} \S+@\S+ v\d+\.\d+")  # Celery's banner: printed after its root check
+
+    def started() -> str | None:
+        text = stack["procs"].log(stack["worker"])
+        return text if banner.search(text) else None
+
+    log = wait_until(started, timeout=60, what="Celery's banner in the worker's log")
+    assert "superuser privileges" not in log and "SecurityWarning" not in log, log[-2000:]
