@@ -10,6 +10,7 @@ import uuid
 
 import pytest
 
+from tests.datagen import shapes_zip
 from tests.e2e.test_dashboard import CHROMIUM, needs_chromium
 from tests.e2e.test_dashboard import _browser as chromium
 from tests.e2e.test_user_words import _upload
@@ -29,6 +30,9 @@ def test_evaluate_on_defaults_to_a_set_with_the_models_classes_and_the_page_fits
     other = _upload(client, f"{name}-other", {"pattern_1": 1, "pattern_7": 7})
     job = client.post("/jobs", json={"model": "cifar_net", "dataset": trained_on["id"], "epochs": 1}).json()
     assert wait_for_job(client, job["id"], {"succeeded", "failed"})["status"] == "succeeded"
+    newer = client.post("/datasets", data={"name": name, "new_version": "true"},
+                        files={"file": ("v2.zip", shapes_zip(per_class=3, seed=5, corrupt=None), "application/zip")})
+    assert newer.status_code == 201 and newer.json()["version"] == 2, newer.text
 
     with sync_api.sync_playwright() as playwright:
         browser = chromium(playwright)
@@ -56,6 +60,8 @@ def test_evaluate_on_defaults_to_a_set_with_the_models_classes_and_the_page_fits
             assert state[other["id"]][0] and "pattern_1" in state[other["id"]][1]
             assert state["fake"][0] and "classes the model does not have" in state["fake"][1]
             assert state["cifar10"][0]  # neither on disk here nor of these classes
+            labels = page.eval_on_selector_all("#evaluate-dataset option", "os => os.map(o => o.textContent)")
+            assert any(label.startswith(f"{name} v2 ({newer.json()['id']})") for label in labels), labels
 
             page.wait_for_selector("#evaluation-view:not([hidden])")
             text = page.inner_text("#job-view")

@@ -1,7 +1,7 @@
 // Evaluation results: per-class bars and the confusion matrix as a heat-map table; a training
 // job's evaluations (each a job of its own, linked to its view) and the form to start another.
 import { getJSON, sendJSON } from "./api.js";
-import { $, count, el, jobLink, pct, shortId, sleep, TERMINAL } from "./dom.js";
+import { $, count, datasetLabel, el, jobLink, pct, shortId, sleep, TERMINAL } from "./dom.js";
 
 export function clearEvaluation() {
   $("evaluation-view").hidden = true;
@@ -99,7 +99,7 @@ export function fitEvaluateDatasets(job) {
   if (!job) { select.replaceChildren(); return; }
   const reasons = new Map(knownDatasets.map((d) => [d.id, unfitReason(d, job)]));
   select.replaceChildren(...knownDatasets.map((d) => {
-    const label = d.name && d.name !== d.id ? `${d.name} (${d.id})` : d.id;
+    const label = datasetLabel(d);
     const reason = reasons.get(d.id);
     return el("option", { value: d.id, disabled: Boolean(reason), title: reason || "" }, reason ? `${label} — ${reason}` : label);
   }));
