@@ -175,7 +175,7 @@ class TorchyardClient:
     def evaluate(self, job_id: str, dataset: str, *, device: str | None = None,
                  batch_size: int | None = None) -> Evaluation:
         """POST /jobs/{id}/evaluate: queue an evaluation of the job's checkpoint on `dataset` (an id or
-        a unique name). The evaluation is itself a job (`Evaluation.id`): follow it with events()."""
+        a name: its newest version). The evaluation is itself a job (`Evaluation.id`): follow it with events()."""
         body = {k: v for k, v in {"dataset": dataset, "device": device, "batch_size": batch_size}.items()
                 if v is not None}
         return Evaluation.model_validate(self._request("POST", f"/jobs/{job_id}/evaluate", json=body).json())

@@ -101,7 +101,7 @@ def _delete(client: TorchyardClient, args: argparse.Namespace) -> int:
 def register(command: Command) -> None:
     train = command("train", _train, "start a training job and follow it to the end")
     train.add_argument("--model", required=True, help="architecture, e.g. cifar_net (see `torchyard models`)")
-    train.add_argument("--dataset", required=True, help="dataset id or unique name, e.g. fake or pets "
+    train.add_argument("--dataset", required=True, help="dataset id or name (its newest version), e.g. fake or pets "
                                                         "(see `torchyard datasets`)")
     train.add_argument("--epochs", type=int)
     train.add_argument("--batch-size", type=int)
