@@ -139,7 +139,7 @@ def register(command: Command) -> None:
     evaluate = command("evaluate", _evaluate, "measure a trained job's checkpoint on a dataset: accuracy, loss, "
                                               "per-class accuracy and the confusion matrix")
     evaluate.add_argument("job_id", metavar="JOB", help="a succeeded training job")
-    evaluate.add_argument("--dataset", required=True, help="dataset id or unique name (a built-in's test split, "
+    evaluate.add_argument("--dataset", required=True, help="dataset id or name (a built-in's test split, "
                                                            "or all images of an upload)")
     evaluate.add_argument("--device", help="auto (default), cuda, cpu or a device id")
     evaluate.add_argument("--batch-size", type=int)
