@@ -166,7 +166,7 @@ class DatasetCatalog:
             return max(matches, key=lambda record: (record.version, record.created_at or ""))
         names = sorted({record.name for record in records} | {record.id for record in records if record.kind != "upload"})
         near = difflib.get_close_matches(ref, names, n=1, cutoff=0.6)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
+        hint = f"; did you mean {near[0]!r}?" if near else "."
         raise NotFound(f"unknown dataset {ref!r} (neither an id nor a dataset name){hint} The datasets: GET /datasets")
 
     def resolve(self, ref: str) -> DatasetRecord:
