@@ -43,7 +43,7 @@ def test_a_flat_folder_is_pointed_at_predict_folder_and_counts_agree(stack: dict
 
 def test_a_piped_table_has_no_padding(stack: dict) -> None:
     """Into a pipe the table's lines end where their text does (rich padded each to the widest row)."""
-    for command in (("models",), ("datasets",), ("devices",)):
+    for command in (("models",), ("datasets",)):
         listed = cli(stack, *command)
         assert listed.returncode == 0, listed.stderr
         lines = listed.stdout.splitlines()
