@@ -3,13 +3,25 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+# What serving needs (`make run`): the package and the `export` extra (ONNX exports from the
+# dashboard). The test, bench and lint tools (`.[dev,bench]`: Playwright, MLflow's server, Triton's
+# client, schemathesis, ruff, mypy, ...) come with `make test` (STAMP), on top of it.
+RUN_STAMP := $(VENV)/.installed-run
+# A CPU-only host: TORCH_INDEX=https://download.pytorch.org/whl/cpu takes torch's CPU wheels
+# (under 1 GB installed) instead of PyPI's, which bring the CUDA libraries (about 5 GB). README.
+TORCH_INDEX ?=
+PIP_INSTALL := $(BIN)/python -m pip install --quiet -c constraints.txt $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 
 .PHONY: run test lint setup browser fuzz bench-train bench-predict bench-gpu gpu-smoke compose-test chaos mutation clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(RUN_STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev,bench,export]'
+	$(PIP_INSTALL) -e '.[export]'
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
+	$(PIP_INSTALL) -e '.[dev,bench,export]'
 	touch $(STAMP)
 
 # The dashboard's browser test drives Debian's Chromium, never a browser Playwright downloads.
@@ -28,7 +40,7 @@ perf-analyzer: $(STAMP)
 
 setup: $(STAMP) browser perf-analyzer
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/torchyard up
 
 test: $(STAMP) browser perf-analyzer lint

@@ -40,7 +40,7 @@ from app.api.services import Services
 from app.api.serving.direct import DIRECT
 from core import keys
 from core.config import Settings, get_settings
-from core.retention import Retention
+from core.retention import CLEANUP_RETRY_S, Retention
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +60,10 @@ async def _cleanup_forever(retention: Retention, interval_s: float) -> None:
     while True:
         try:
             await run_in_threadpool(retention.run_if_due)
-        except Exception:
-            log.exception("the retention cleanup failed; it runs again in %.0f s", interval_s)
+        except Exception as exc:
+            # The reason on the ERROR line itself (a log reader without tracebacks sees it); the trace after.
+            log.exception("the retention cleanup failed (%s: %s); it runs again in %.0f s", type(exc).__name__,
+                          str(exc).splitlines()[0] if str(exc) else "no message", min(interval_s, CLEANUP_RETRY_S))
         await asyncio.sleep(min(interval_s, 60.0))
 
 

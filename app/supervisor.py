@@ -10,7 +10,7 @@ a parent-death signal, so even a SIGKILLed supervisor leaves nothing behind.
 on the same data dir refuses to start, instead of unlinking the first one's Redis socket and
 starting a second Redis on the same append-only file. Before it starts anything it checks that the
 API's port is free (a second `make run`: it says what holds the port and exits 2, with no Redis or
-worker started). It says "torchyard is up" once the API answers /healthz, and a child that exits
+worker started). It says "torchyard is up" once /readyz answers 200 (a worker is ready), and a child that exits
 with status 2 (EXIT_CONFIGURATION_ERROR: a setting, a port, a device held elsewhere) is not
 restarted: `up` stops everything and exits 2, its message in the log above.
 """
@@ -18,6 +18,7 @@ restarted: `up` stops everything and exits 2, its message in the log above.
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +47,16 @@ REDIS_BACKOFF_MAX_S = 5.0
 REDIS_START_TIMEOUT_S = 120.0  # a long append-only file takes a while to load
 LOCK_FILE = "up.lock"
 EXIT_DATA_DIR_IN_USE = EXIT_CONFIGURATION_ERROR
-HEALTH_TIMEOUT_S = 0.5  # one /healthz probe of the API before the banner
+HEALTH_TIMEOUT_S = 0.5  # one /readyz probe of the API before the banner
+NOT_READY_WARNING_S = 60.0  # the API answers but no worker is ready this long: said once
+
+
+def _detail(refused: urllib.error.HTTPError) -> str:
+    """The `detail` of an API error answer, else its status line."""
+    try:
+        return str(json.loads(refused.read())["detail"])
+    except (ValueError, KeyError, TypeError, OSError):
+        return f"{refused.code} {refused.reason}"
 
 
 class DataDirInUse(RuntimeError):
@@ -130,6 +141,8 @@ class Supervisor:
         self._redis_next_start = 0.0
         self._redis_backoff_s = 0.0
         self._announced = False
+        self._api_answering_since = 0.0
+        self._said_not_ready = False
         self.exit_code = 0
 
     def plan(self, redis_url: str) -> list[Child]:
@@ -181,16 +194,28 @@ class Supervisor:
         return self.exit_code
 
     def _announce_when_serving(self) -> None:
-        """The banner, once the API answers: before, "up" would be a promise (the port may be taken)."""
+        """The banner, once the stack is ready to work (/readyz: Redis answers and a worker's heartbeat
+        is fresh), not merely once the API answers: a job or a prediction sent on the word "up" then
+        finds a worker. Should the API answer but no worker get ready, that is said once, with why."""
+        request = urllib.request.Request(f"{self.local_url}/readyz")
+        if self.settings.api_key:
+            request.add_header("Authorization", f"Bearer {self.settings.api_key}")
         try:
-            with urllib.request.urlopen(f"{self.local_url}/healthz", timeout=HEALTH_TIMEOUT_S) as answer:
+            with urllib.request.urlopen(request, timeout=HEALTH_TIMEOUT_S) as answer:
                 if answer.status != 200:
                     return
+        except urllib.error.HTTPError as refused:  # the API answers: not ready yet, and why
+            self._api_answering_since = self._api_answering_since or time.monotonic()
+            if not self._said_not_ready and time.monotonic() - self._api_answering_since > NOT_READY_WARNING_S:
+                self._said_not_ready = True
+                log.warning("the API answers on %s but the stack is not ready after %.0f s: %s", self.local_url,
+                            NOT_READY_WARNING_S, _detail(refused))
+            return
         except OSError:
             return
         self._announced = True
-        log.info("torchyard is up: API and dashboard on %s, %d worker(s); the CLI: %s; Ctrl-C stops everything",
-                 self.local_url, len(self.children) - 1, cli_hint(self.local_url))
+        log.info("torchyard is up: API and dashboard on %s, %d worker(s) ready; the CLI: %s; Ctrl-C stops "
+                 "everything", self.local_url, len(self.children) - 1, cli_hint(self.local_url))
 
     @property
     def local_url(self) -> str:

@@ -51,7 +51,19 @@ def table(out: Console, header: Sequence[str], rows: Sequence[Sequence[str]]) ->
         grid.add_column(name, no_wrap=True)
     for row in rows:
         grid.add_row(*row)
-    out.print(grid)
+    if out.is_terminal:
+        out.print(grid)
+        return
+    # In a pipe rich pads every cell to its column, so each line ran to the widest row's width in
+    # trailing spaces: what `grep`/`awk` get is the text, without them.
+    with out.capture() as captured:
+        out.print(grid)
+    out.file.write("".join(line.rstrip() + "\n" for line in captured.get().splitlines()))
+
+
+def count(n: int, singular: str, plural: str | None = None) -> str:
+    """`1 class`, `2 classes`: the noun agrees with the number."""
+    return f"{n} {singular if n == 1 else plural or singular + 's'}"
 
 
 def pct(value: float | None) -> str:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 from httpx_sse import connect_sse
@@ -174,7 +175,7 @@ class TorchyardClient:
     def evaluate(self, job_id: str, dataset: str, *, device: str | None = None,
                  batch_size: int | None = None) -> Evaluation:
         """POST /jobs/{id}/evaluate: queue an evaluation of the job's checkpoint on `dataset` (an id or
-        a unique name). The evaluation is itself a job (`Evaluation.id`): follow it with events()."""
+        a name: its newest version). The evaluation is itself a job (`Evaluation.id`): follow it with events()."""
         body = {k: v for k, v in {"dataset": dataset, "device": device, "batch_size": batch_size}.items()
                 if v is not None}
         return Evaluation.model_validate(self._request("POST", f"/jobs/{job_id}/evaluate", json=body).json())
@@ -201,13 +202,18 @@ class TorchyardClient:
     def cancel(self, job_id: str) -> Job:
         return Job.model_validate(self._request("POST", f"/jobs/{job_id}/cancel").json())
 
-    def upload_dataset(self, path: str | Path, name: str | None = None, *, labeled: bool = True) -> dict[str, Any]:
+    def delete(self, what: str, ref: str) -> None:
+        """DELETE a job (`what="jobs"`, by id) or a dataset (`"datasets"`, by id or name: its newest version)."""
+        self._request("DELETE", f"/{what}/{quote(ref, safe='')}")
+
+    def upload_dataset(self, path: str | Path, name: str | None = None, *, labeled: bool = True,
+                       new_version: bool = False) -> dict[str, Any]:
         """Upload an ImageFolder zip, or a directory that is zipped here first (in a temp file).
-        `labeled=False`: images at any depth without class folders (for predict jobs only)."""
+        `labeled=False`: images at any depth without class folders (for predict jobs only);
+        `new_version`: the next version of the dataset named `name` (else a taken name is a 409)."""
         path = Path(path)
         data = {"name": name} if name else {}
-        if not labeled:
-            data["labels"] = "none"
+        data.update({"labels": "none"} if not labeled else {}, **({"new_version": "true"} if new_version else {}))
         if path.is_dir():
             with tempfile.TemporaryFile() as archive:
                 if zip_directory(path, archive) == 0:

@@ -33,6 +33,7 @@ import redis
 from core import keys
 from core.clock import utc_now_iso
 from core.errors import Conflict, InvalidInput, NotFound
+from core.kind_words import job_phrase
 from core.schemas import Alias, AliasHistory, AliasMove, AliasUpdate, JobKind, JobStatus, WarmResult
 from core.storage import validate_id
 
@@ -163,7 +164,8 @@ def _target_model(job_id: str, raw: dict[str, str]) -> str:
     if not raw:
         raise NotFound(f"job {job_id} not found")
     if raw.get("kind", JobKind.train.value) != JobKind.train.value:
-        raise Conflict(f"job {job_id} is a {raw['kind']} job; an alias points at a training job")
+        raise Conflict(f"job {job_id} is {job_phrase(raw['kind'], json.loads(raw.get('params') or '{}'))}; an alias "
+                       f"points at a training job")
     if raw.get("status") != JobStatus.succeeded.value:
         raise Conflict(f"job {job_id} is {raw.get('status')}; an alias can only point at a succeeded job")
     return raw.get("model", "")

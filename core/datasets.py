@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import secrets
 import shutil
 import time
@@ -68,6 +69,9 @@ class DatasetRecord(BaseModel):
     available: bool = True
     # False: an upload of images without class folders (`labels=none`): batch predictions only.
     labeled: bool = True
+    # Uploads under one name are its versions: the name means the highest (see DatasetCatalog.find);
+    # an older one keeps its id, so the jobs that used it still name the images they saw.
+    version: int = 1
 
 
 BUILTINS: dict[str, DatasetRecord] = {
@@ -119,6 +123,20 @@ def builtin_classes(dataset_id: str) -> list[str] | None:
     return None
 
 
+def _refuse_taken_name(name: str, records: list[DatasetRecord]) -> None:
+    """409 when `name` already means a dataset: a built-in's id or name, or an upload's name (its
+    newest version named, and how to add a version instead)."""
+    builtin = next((r for r in records if r.kind != "upload" and name in (r.id, r.name)), None)
+    if builtin is not None:
+        raise Conflict(f"dataset name {name!r} is the built-in dataset {builtin.id!r}; pick another name")
+    same = [r for r in records if r.kind == "upload" and r.name == name]
+    if same:
+        newest = max(same, key=lambda r: (r.version, r.created_at or ""))
+        raise Conflict(f"dataset name {name!r} is taken by dataset {newest.id} (version {newest.version}); pick "
+                       f"another name, or upload it as a new version of {name!r} (new_version=true; the CLI's "
+                       f"--new-version): the name then means the new set, and {newest.id} keeps its id")
+
+
 class DatasetCatalog:
     def __init__(self, client: redis.Redis, settings: Settings, jobs: JobStore) -> None:
         self.redis = client
@@ -135,20 +153,28 @@ class DatasetCatalog:
             raise NotFound(f"dataset {dataset_id} not found")
         return DatasetRecord.model_validate_json(raw)
 
-    def resolve(self, ref: str) -> DatasetRecord:
-        """A dataset by id, else by the name it was uploaded with (or a built-in's name) when exactly
-        one dataset has it. InvalidInput (422) for an unknown or ambiguous reference."""
+    def find(self, ref: str) -> DatasetRecord:
+        """A dataset by id, else by name (an upload's or a built-in's): the newest version of the sets
+        uploaded under it. NotFound, with the nearest name when one is close, for anything else."""
         try:
             return self.get(ref)
         except (NotFound, InvalidInput):
             pass
-        matches = [record for record in self.list() if record.name == ref]
-        if len(matches) == 1:
-            return matches[0]
+        records = self.list()
+        matches = [record for record in records if record.name == ref]
         if matches:
-            raise InvalidInput(f"dataset name {ref!r} is ambiguous: datasets {', '.join(m.id for m in matches)} "
-                               f"have it; give the id")
-        raise InvalidInput(f"unknown dataset {ref!r} (neither an id nor a dataset name); see GET /datasets")
+            return max(matches, key=lambda record: (record.version, record.created_at or ""))
+        names = sorted({record.name for record in records} | {record.id for record in records if record.kind != "upload"})
+        near = difflib.get_close_matches(ref, names, n=1, cutoff=0.6)
+        hint = f"; did you mean {near[0]!r}?" if near else "."
+        raise NotFound(f"unknown dataset {ref!r} (neither an id nor a dataset name){hint} The datasets: GET /datasets")
+
+    def resolve(self, ref: str) -> DatasetRecord:
+        """`find` for a field of a request body: an unknown reference is the body's fault (422)."""
+        try:
+            return self.find(ref)
+        except NotFound as exc:
+            raise InvalidInput(exc.detail) from None
 
     def annotate(self, jobs: list[Job]) -> list[Job]:
         """Set each job's `dataset_name` from the catalog (None once a dataset is deleted)."""
@@ -190,12 +216,16 @@ class DatasetCatalog:
         raw = self.redis.get(keys.dataset_last_used(dataset_id))
         return float(raw) if raw else None
 
-    def upload(self, archive: BinaryIO | Path, name: str | None, *, labeled: bool = True) -> DatasetRecord:
-        """Extract safely into the data dir, then record. Nothing is recorded for a refused zip.
+    def upload(self, archive: BinaryIO | Path, name: str | None, *, labeled: bool = True,
+               new_version: bool = False) -> DatasetRecord:
+        """Extract safely into the data dir, then record. Nothing is recorded for a refused zip, nor
+        under a name another upload has, unless `new_version` says this is its next version.
         Unlabelled (`labeled=False`): images at any depth, kept at their paths, no classes; such a
         set can only be predicted on, and the record says so (training and evaluation refuse it)."""
         if name is not None and not (0 < len(name) <= 200):
             raise InvalidInput("name must be 1 to 200 characters")
+        if name is not None and not new_version:  # early, before extracting; checked again as it is recorded
+            _refuse_taken_name(name, self.list())
         dataset_id = f"ds{secrets.token_hex(8)}"
         limits = ArchiveLimits(
             max_entries=self.settings.max_zip_entries,
@@ -212,17 +242,43 @@ class DatasetCatalog:
             skipped=[{"path": s.path, "reason": s.reason} for s in extracted.skipped], created_at=utc_now_iso(),
             labeled=labeled,
         )
-        pipe = self.redis.pipeline()
-        pipe.set(keys.dataset(dataset_id), record.model_dump_json())
-        pipe.sadd(keys.DATASETS_INDEX, dataset_id)
-        pipe.execute()
-        return record
+        try:
+            return self._record_upload(record, name, new_version)
+        except BaseException:
+            shutil.rmtree(self.settings.datasets_dir / dataset_id, ignore_errors=True)
+            raise
 
-    def delete(self, dataset_id: str) -> None:
-        """Remove an uploaded dataset, unless a queued or running job trains on it or a submission
-        was just given it (409). The record goes in a transaction on the dataset's keys, so a
-        submission's `claim_for_job` either happens before it (and is seen) or finds nothing."""
-        record = self.get(dataset_id)
+    def _record_upload(self, record: DatasetRecord, name: str | None, new_version: bool) -> DatasetRecord:
+        """Record `record` under its name, unless the name is taken and the upload does not say it is
+        a new version of it (409 naming the set that has it). Every upload and delete changes the
+        index, which this transaction watches: two uploads under one name cannot both see it free."""
+        def txn(pipe: redis.client.Pipeline) -> DatasetRecord:
+            ids = sorted(pipe.smembers(keys.DATASETS_INDEX))
+            raws = pipe.mget([keys.dataset(i) for i in ids]) if ids else []
+            uploads = [DatasetRecord.model_validate_json(r) for r in raws if r]
+            versioned = record
+            if name is not None and not new_version:
+                _refuse_taken_name(name, [*BUILTINS.values(), *uploads])
+            elif name is not None:
+                if any(name in (b.id, b.name) for b in BUILTINS.values()):
+                    _refuse_taken_name(name, list(BUILTINS.values()))
+                versions = [r.version for r in uploads if r.name == name]
+                versioned = record.model_copy(update={"version": max(versions, default=0) + 1})
+            pipe.multi()
+            pipe.set(keys.dataset(record.id), versioned.model_dump_json())
+            pipe.sadd(keys.DATASETS_INDEX, record.id)
+            return versioned
+
+        recorded: DatasetRecord = self.redis.transaction(txn, keys.DATASETS_INDEX, value_from_callable=True)
+        return recorded
+
+    def delete(self, ref: str) -> None:
+        """Remove an uploaded dataset (by id, or by name: its newest version), unless a queued or
+        running job trains on it or a submission was just given it (409). The record goes in a
+        transaction on the dataset's keys, so a submission's `claim_for_job` either happens before it
+        (and is seen) or finds nothing."""
+        record = self.find(ref)
+        dataset_id = record.id
         if record.kind != "upload":
             raise Conflict(f"dataset {dataset_id} is built in and cannot be deleted")
 

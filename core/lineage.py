@@ -10,9 +10,12 @@ source could be deleted under it.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from core import keys
-from core.errors import Conflict, InvalidInput
+from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import JobStore
+from core.kind_words import job_phrase
 from core.schemas import Job, JobKind, JobStatus
 from core.storage import CheckpointPaths
 
@@ -42,7 +45,26 @@ def trained_source(store: JobStore, paths: CheckpointPaths, job_id: str, purpose
     job of another kind (no model), 409 no checkpoint (yet). `purpose`: "to evaluate", ..."""
     trained = store.get(job_id)
     if trained.kind is not JobKind.train:
-        raise InvalidInput(f"job {job_id} is a {trained.kind.value} job; only a training job has a model {purpose}")
+        raise InvalidInput(f"job {job_id} is {job_phrase(trained.kind, trained.params)}; only a training job has a "
+                           f"model {purpose}")
     if trained.status is not JobStatus.succeeded or not paths.final(job_id).exists():
         raise Conflict(f"job {job_id} has no checkpoint {purpose} (it is {trained.status.value})")
     return trained
+
+
+def downloadable_checkpoint(store: JobStore, paths: CheckpointPaths, job_id: str) -> tuple[Job, Path]:
+    """A training job's checkpoint file for GET /jobs/{id}/checkpoint, or why there is none: 404
+    unknown, or a job of another kind (what it is made from is named), 409 queued or running (it
+    is written when the job succeeds), 404 a finished job without one."""
+    job = store.get(job_id)
+    if job.kind is not JobKind.train:
+        raise NotFound(f"job {job_id} is {job_phrase(job.kind, job.params)}; only a training job has a checkpoint")
+    if not job.status.terminal:
+        raise Conflict(f"job {job_id} is still {job.status.value}; its checkpoint is written when it succeeds "
+                       f"(follow it: GET /jobs/{job_id}/events)")
+    path = paths.final(job_id)
+    if job.checkpoint is None:
+        raise NotFound(f"job {job_id} has no checkpoint: it {job.status.value} before writing one")
+    if not path.exists():
+        raise NotFound(f"the checkpoint of job {job_id} is no longer on this server")
+    return job, path

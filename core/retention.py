@@ -124,6 +124,10 @@ class CleanupReport:
     kept: list[str] = field(default_factory=list)  # what a protection kept, and why
 
 
+# After a failed pass, the next is tried this much later (at most the interval).
+CLEANUP_RETRY_S = 60.0
+
+
 class Retention:
     def __init__(self, settings: Settings, client: redis.Redis, store: JobStore, catalog: DatasetCatalog,
                  deletion: JobDeletion) -> None:
@@ -139,7 +143,14 @@ class Retention:
         interval_ms = max(1, int(self.settings.cleanup_interval_s * 1000))
         if not self.redis.set(keys.RETENTION_LOCK, self.instance, nx=True, px=interval_ms):
             return None
-        report = self.run_once()
+        try:
+            report = self.run_once()
+        except Exception:
+            # A failed pass is tried again soon (by any API process), not an interval later: the lock
+            # it took for the interval is shortened to the retry delay.
+            retry_ms = max(1, int(min(self.settings.cleanup_interval_s, CLEANUP_RETRY_S) * 1000))
+            self.redis.set(keys.RETENTION_LOCK, self.instance, px=retry_ms)
+            raise
         if report.jobs_deleted or report.datasets_deleted or report.files_removed or report.events_trimmed:
             log.info("cleanup: %d job(s), %d dataset(s), %d file(s) removed, %d event stream(s) trimmed",
                      len(report.jobs_deleted), len(report.datasets_deleted), len(report.files_removed),

@@ -5,6 +5,7 @@ pydantic's wrappers (`train.epochs`, the tag function of POST /jobs' union of ki
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +15,7 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from core.errors import TorchyardError, Unavailable
@@ -47,7 +49,10 @@ def user_message(error: dict[str, Any]) -> str:
         return (f"kind {ctx.get('tag')!r} is not a kind of job POST /jobs creates: send \"train\" (the default) or "
                 f"\"predict\"; an evaluation is POST /jobs/{{id}}/evaluate, an export GET /jobs/{{id}}/export")
     if kind == "extra_forbidden":
-        return f"unknown field {field!r}: not part of this request (the fields are in docs/api.md and at /docs)"
+        near = nearest_field(error.get("loc", ()), str(where[-1]) if where else field)
+        hint = f"; did you mean {near!r}?" if near else ""
+        return (f"unknown field {field!r}: not part of this request{hint} (the fields are in docs/api.md and at "
+                f"/docs)")
     if kind == "missing":
         return f"{field} is required"
     if kind == "json_invalid":
@@ -57,6 +62,30 @@ def user_message(error: dict[str, Any]) -> str:
     if kind == "value_error":
         msg = msg.removeprefix("Value error, ")
     return f"{field}: {msg}" if field else msg
+
+
+# Short names people bring from other tools, and the field each means here.
+_FIELD_ABBREVIATIONS = {"lr": "learning_rate", "bs": "batch_size", "wd": "weight_decay", "opt": "optimizer",
+                        "model_name": "model", "data": "dataset", "job": "job_id", "topk": "top_k", "k": "top_k"}
+
+
+def nearest_field(loc: Sequence[str | int], name: str) -> str | None:
+    """The field of the request's kind (a training job, a batch prediction, an evaluation) that an
+    unknown `name` most likely meant: a known abbreviation (`lr`) or a close spelling (`epoch`)."""
+    from core.kinds.batch_predict.spec import BatchPredictSpec
+    from core.kinds.evaluate.spec import EvaluateSpec
+    from core.kinds.train.spec import JobSpec
+
+    by_tag: dict[str | int, type[BaseModel]] = {JobKind.train.value: JobSpec,
+                                                JobKind.batch_predict.value: BatchPredictSpec}
+    tag = loc[1] if len(loc) > 2 and loc[0] == "body" else None
+    specs: list[type[BaseModel]] = [by_tag[tag]] if tag is not None and tag in by_tag else [JobSpec, BatchPredictSpec, EvaluateSpec]
+    fields = sorted({f for spec in specs for f in spec.model_fields})
+    meant = _FIELD_ABBREVIATIONS.get(name.lower())
+    if meant in fields:
+        return meant
+    close = difflib.get_close_matches(name.lower().replace("-", "_"), fields, n=1, cutoff=0.7)
+    return close[0] if close else None
 
 
 def _describe(errors: list[dict[str, Any]]) -> str:

@@ -64,6 +64,20 @@ def resolve_connection_options(args: argparse.Namespace) -> None:
         args.json = False
 
 
+# The API's pointers to its own routes, as the command that shows the same thing.
+_API_TO_CLI = {"GET /datasets": "`torchyard datasets`", "GET /models": "`torchyard models`",
+               "GET /devices": "`torchyard devices`", "GET /aliases": "`torchyard alias list`"}
+
+
+def in_cli_words(detail: str) -> str:
+    """An API error as a CLI user acts on it: `see GET /datasets` becomes `torchyard datasets`."""
+    import re
+
+    for route, command in _API_TO_CLI.items():
+        detail = re.sub(rf"{re.escape(route)}(?![/\w])", command, detail)
+    return detail
+
+
 def run_with_client(handler: Handler) -> Callable[[Settings, argparse.Namespace], int]:
     """Adapt a client handler to `app.cli`'s (settings, args) signature: one error line, an exit code."""
 
@@ -79,7 +93,7 @@ def run_with_client(handler: Handler) -> Callable[[Settings, argparse.Namespace]
                 return handler(client, args)
         except ApiError as exc:
             where = f" ({exc.status})" if exc.status else ""
-            print(f"torchyard: error{where}: {exc.detail}", file=sys.stderr)
+            print(f"torchyard: error{where}: {in_cli_words(exc.detail)}", file=sys.stderr)
             return EXIT_ERROR
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from client.commands.base import EXIT_OK, Command, Group
+from client.commands.base import EXIT_ERROR, EXIT_OK, Command, Group
 
 if TYPE_CHECKING:
     from client.sdk import TorchyardClient
@@ -58,23 +59,48 @@ def _datasets_list(client: TorchyardClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _flat_folder(path: Path) -> str | None:
+    """`N images` when `path` is a directory of files with no sub-folder: images without classes."""
+    if not path.is_dir() or any(p.is_dir() and not p.name.startswith(".") for p in path.iterdir()):
+        return None
+    files = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
+    return f"{len(files)} file{'' if len(files) == 1 else 's'}" if files else None
+
+
 def _datasets_upload(client: TorchyardClient, args: argparse.Namespace) -> int:
     from client import output
 
     err = output.console(sys.stderr)
+    flat = _flat_folder(Path(args.path)) if not args.unlabeled else None
+    if flat:
+        err.print(f"torchyard: error: {args.path} holds {flat} but no <class> folders: to train on them, put "
+                  f"each class's images in a folder of its own; to label them with a trained model, "
+                  f"`torchyard predict-folder {args.path} --job ID` (or upload them with --unlabeled)")
+        return EXIT_ERROR
     if not args.json:
         err.print(f"uploading {args.path} …")
-    record = client.upload_dataset(args.path, args.name, labeled=not args.unlabeled)
+    record = client.upload_dataset(args.path, args.name, labeled=not args.unlabeled, new_version=args.new_version)
     if args.json:
         output.emit_json(record)
         return EXIT_OK
     out = output.console()
-    out.print(f"dataset {record['id']} ({record.get('name')}): {record.get('num_images')} images, "
-              f"{len(record.get('classes') or [])} classes")
+    version = f", version {record['version']}" if record.get("version", 1) > 1 else ""
+    out.print(f"dataset {record['id']} ({record.get('name')}{version}): "
+              f"{output.count(record.get('num_images') or 0, 'image')}, "
+              f"{output.count(len(record.get('classes') or []), 'class', 'classes')}")
     for name, count in (record.get("class_counts") or {}).items():
         out.print(f"  {name}: {count}")
     for skipped in record.get("skipped") or []:
         err.print(f"  skipped {skipped.get('path')}: {skipped.get('reason')}")
+    return EXIT_OK
+
+
+def _datasets_delete(client: TorchyardClient, args: argparse.Namespace) -> int:
+    from client import output
+
+    client.delete("datasets", args.dataset)
+    if not args.json:
+        output.console().print(f"dataset {args.dataset} deleted")
     return EXIT_OK
 
 
@@ -91,3 +117,8 @@ def register(command: Command, group: Group) -> None:
     upload.add_argument("--name", help="a label for the dataset")
     upload.add_argument("--unlabeled", action="store_true", help="images at any depth, no class folders "
                                                                  "(for predict-folder only)")
+    upload.add_argument("--new-version", action="store_true", help="the --name is taken: make this its next "
+                                                                   "version (the name then means this one; the older "
+                                                                   "keeps its id)")
+    delete = command("delete", _datasets_delete, "delete an uploaded dataset (its files too)", datasets)
+    delete.add_argument("dataset", metavar="NAME|ID", help="an id, or a name (its newest version)")

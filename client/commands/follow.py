@@ -53,8 +53,11 @@ def waiting_notice(out: Console, job_id: str) -> Callable[[str | None], None]:
         if reason is None:
             out.print(f"torchyard: the server answers again; following job {job_id}")
         else:
-            out.print(f"torchyard: waiting for the server ({reason}); job {job_id} goes on without us, "
-                      f"Ctrl-C stops waiting")
+            # The server may be all down (`make run` stopped) or only its API: the job is kept either way,
+            # running on where its worker is up, resumed after its last epoch when the stack is back.
+            out.print(f"torchyard: waiting for the server ({reason}); job {job_id} is kept: it runs on if its "
+                      f"worker is up, else it resumes where it left off when the server is back. Ctrl-C stops "
+                      f"waiting, not the job")
 
     return notice
 

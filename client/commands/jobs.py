@@ -24,7 +24,7 @@ def _train(client: TorchyardClient, args: argparse.Namespace) -> int:
                         keep=args.keep, init_from=args.init_from, pretrained=args.pretrained or None,
                         precision=args.precision, world_size=args.world_size, elastic=args.elastic or None)
     output.console(sys.stderr).print(f"job {job.id} queued: {job.model} on {job.dataset_name or job.dataset}, "
-                                     f"{job.progress.epochs} epochs, device {job.requested_device}")
+                                     f"{output.count(job.progress.epochs, 'epoch')}, device {job.requested_device}")
     if args.detach:
         return detached(job, job.id, args)
     return follow_and_report(client, job, args)
@@ -89,10 +89,19 @@ def _cancel(client: TorchyardClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _delete(client: TorchyardClient, args: argparse.Namespace) -> int:
+    from client import output
+
+    client.delete("jobs", args.job_id)
+    if not args.json:
+        output.console().print(f"job {args.job_id} deleted")
+    return EXIT_OK
+
+
 def register(command: Command) -> None:
     train = command("train", _train, "start a training job and follow it to the end")
     train.add_argument("--model", required=True, help="architecture, e.g. cifar_net (see `torchyard models`)")
-    train.add_argument("--dataset", required=True, help="dataset id or unique name, e.g. fake or pets "
+    train.add_argument("--dataset", required=True, help="dataset id or name (its newest version), e.g. fake or pets "
                                                         "(see `torchyard datasets`)")
     train.add_argument("--epochs", type=int)
     train.add_argument("--batch-size", type=int)
@@ -130,7 +139,7 @@ def register(command: Command) -> None:
     evaluate = command("evaluate", _evaluate, "measure a trained job's checkpoint on a dataset: accuracy, loss, "
                                               "per-class accuracy and the confusion matrix")
     evaluate.add_argument("job_id", metavar="JOB", help="a succeeded training job")
-    evaluate.add_argument("--dataset", required=True, help="dataset id or unique name (a built-in's test split, "
+    evaluate.add_argument("--dataset", required=True, help="dataset id or name (a built-in's test split, "
                                                            "or all images of an upload)")
     evaluate.add_argument("--device", help="auto (default), cuda, cpu or a device id")
     evaluate.add_argument("--batch-size", type=int)
@@ -148,3 +157,7 @@ def register(command: Command) -> None:
 
     cancel = command("cancel", _cancel, "cancel a queued or running job")
     cancel.add_argument("job_id")
+
+    delete = command("delete", _delete, "delete a finished job: its record, checkpoint and files (refused, "
+                                        "with the reason, while an alias points at it or a job uses it)")
+    delete.add_argument("job_id", metavar="JOB")

@@ -80,7 +80,7 @@ def register(command: Command) -> None:
     folder_model.add_argument("--alias", help="an alias (resolved once, when the job is submitted)")
     folder_source = folder.add_mutually_exclusive_group(required=True)
     folder_source.add_argument("path", nargs="?", help="a directory or .zip of images, uploaded unlabelled first")
-    folder_source.add_argument("--dataset", help="an uploaded dataset's id or unique name instead of PATH")
+    folder_source.add_argument("--dataset", help="an uploaded dataset's id or name instead of PATH")
     folder.add_argument("--labeled", action="store_true", help="PATH is <class>/<image> folders: lines carry the "
                                                                "true label and the job its top-1 accuracy")
     folder.add_argument("--name", help="a name for the uploaded dataset")

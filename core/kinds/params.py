@@ -16,6 +16,7 @@ from typing import ClassVar, Self
 
 from pydantic import BaseModel
 
+from core.kind_words import kind_noun
 from core.schemas import Job, JobKind
 
 
@@ -28,7 +29,7 @@ class KindParams(BaseModel):
     def of(cls, job: Job) -> Self:
         """`job`'s params, read as this kind's; ValueError for a job of another kind."""
         if job.kind is not cls.kind:
-            raise ValueError(f"job {job.id} is a {job.kind.value} job, not {cls.kind.value}")
+            raise ValueError(f"job {job.id} is {kind_noun(job.kind)}, not {kind_noun(cls.kind)}")
         return cls.model_validate(job.params)
 
     @abstractmethod

@@ -151,10 +151,10 @@ def test_datasets_upload_of_a_directory(stack: dict, tmp_path: Path) -> None:
             (root / name / f"{k}.png").write_bytes(png_bytes(image))
     (root / "reds" / "broken.png").write_bytes(b"not a png")
 
-    result = cli(stack, "datasets", "upload", str(root), "--name", "shapes", "--json")
+    result = cli(stack, "datasets", "upload", str(root), "--name", "cli-shapes", "--json")
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
-    assert record["name"] == "shapes" and sorted(record["classes"]) == ["blues", "reds"]
+    assert record["name"] == "cli-shapes" and sorted(record["classes"]) == ["blues", "reds"]
     assert record["num_images"] == 8 and record["class_counts"] == {"blues": 4, "reds": 4}
     assert [s["path"] for s in record["skipped"]] == ["reds/broken.png"]
 

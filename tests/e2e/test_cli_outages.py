@@ -63,6 +63,7 @@ def test_train_follows_its_job_through_a_redis_outage_and_an_api_restart(tmp_pat
         _outage(server)
         wait_until(lambda: any("answers again" in line for line in said), timeout=60, what="the CLI to reconnect")
         assert sum("waiting for the server" in line for line in said) == 1, said
+        assert any("resumes where it left off when the server is back" in line for line in said), said
 
         procs.stop(api, signal.SIGKILL)
         wait_until(lambda: sum("waiting for the server" in line for line in said) == 2, timeout=30,

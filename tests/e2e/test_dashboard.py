@@ -203,7 +203,7 @@ def test_dashboard_views_of_every_job_kind(stack: dict, keyed_api: KeyedApi, tmp
             # The export job's view (by URL): its format and source, its file; no "0/0", no curves.
             page.goto(f"{base}/#/jobs/{export_job}")
             page.wait_for_selector("#job-view[data-kind=export] #job-status[data-status=succeeded]")
-            assert "TORCHSCRIPT file of job" in page.inner_text("#export-summary")
+            assert "TorchScript file of job" in page.inner_text("#export-summary")
             assert "0/0" not in page.inner_text("#job-progress-text")
             assert _visible(page, "#download-export", "#train-view", "#evaluation-view", *TRAINED_ONLY) == \
                 ["#download-export"]

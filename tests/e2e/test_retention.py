@@ -13,8 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
-from tests.support import Processes, free_port, png_bytes, wait_until
+from core import keys
+from tests.support import Processes, free_port, own_api, png_bytes, wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -125,3 +127,20 @@ def test_delete_and_cleanup_keep_what_queued_jobs_need(two_apis: dict) -> None:
     for proc in procs.procs:
         assert proc.poll() is None
         assert "cleanup failed" not in procs.log(proc)
+
+
+def test_a_failed_cleanup_says_why_and_is_tried_again_soon(clean_redis_url: str, tmp_path: Path) -> None:
+    """A pass that fails (here: a dataset record no version of torchyard wrote, in Redis) is logged with
+    its reason on the ERROR line, and its lock is shortened to the retry delay: the next pass comes a
+    minute later, not a cleanup interval (an hour) later."""
+    client = redis.Redis.from_url(clean_redis_url, decode_responses=True)
+    client.set(keys.dataset("dsbroken"), "{not json")
+    client.sadd(keys.DATASETS_INDEX, "dsbroken")
+    with own_api(clean_redis_url, tmp_path, TORCHYARD_CLEANUP_INTERVAL_S="3600",
+                 TORCHYARD_KEEP_UNUSED_DATASETS_DAYS="30") as api:
+        procs = api["procs"]
+        said = wait_until(lambda: next((line for line in procs.log(procs.procs[0]).splitlines()
+                                        if "the retention cleanup failed" in line), None),
+                          timeout=60, what="the failed pass's log line")
+        assert "ERROR" in said and "ValidationError" in said and "runs again in 60 s" in said, said
+        assert 0 < client.pttl(keys.RETENTION_LOCK) <= 60_000  # not the hour the pass took the lock for

@@ -55,6 +55,9 @@ def test_up_starts_stack_and_stops_everything(tmp_path, sig) -> None:
         # The banner only once the API serves, with where the CLI is.
         assert text.count("torchyard is up") == 1
         assert text.index("Application startup complete") < text.index("torchyard is up")
+        # ... and once a worker is ready (its first heartbeat follows this line), not before.
+        assert text.index("INFO worker.runtime.main: worker ") < text.index("torchyard is up")
+        assert "1 worker(s) ready" in text
         assert f"--url http://127.0.0.1:{port} devices" in text
 
 

@@ -30,12 +30,41 @@ def describe(device: WorkerDevice) -> DeviceInfo:
         import psutil
 
         memory = psutil.virtual_memory()
-        return DeviceInfo(_cpu_name(), memory.total, memory.total - memory.available,
-                          psutil.cpu_percent(interval=None))
+        return DeviceInfo(_cpu_name(), memory.total, memory.total - memory.available, _own_cpu_percent())
     import torch
 
     free, total = torch.cuda.mem_get_info(0)
     return DeviceInfo(torch.cuda.get_device_name(0), total, total - free, _nvml_utilization())
+
+
+# The worker's processes (itself, its decode processes) as psutil measures them: cpu_percent is the
+# use since the same Process object's previous call, so the objects are kept between heartbeats.
+_MEASURED: dict[int, Any] = {}
+
+
+def _own_cpu_percent() -> float:
+    """What this worker uses of the host's CPUs, in percent of all of them: its process and its
+    children. The host's figure (psutil.cpu_percent) counted every other program's load as the
+    device's, so an idle CPU worker on a busy host showed 100 %."""
+    import psutil
+
+    me = psutil.Process()
+    try:
+        processes = [me, *me.children(recursive=True)]
+    except psutil.Error:
+        processes = [me]
+    total = 0.0
+    alive = set()
+    for process in processes:
+        measured = _MEASURED.setdefault(process.pid, process)
+        alive.add(process.pid)
+        try:
+            total += measured.cpu_percent(interval=None)
+        except psutil.Error:
+            continue
+    for gone in set(_MEASURED) - alive:
+        del _MEASURED[gone]
+    return round(min(100.0, total / (psutil.cpu_count() or 1)), 1)
 
 
 _CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))

@@ -67,7 +67,8 @@ def run_export_job(job: Job, ctx: JobContext) -> JobOutcome:
     progress = _Progress(ctx)
     checkpoint = ctx.paths.final(params.source_job_id)
     if not checkpoint.exists():
-        raise JobFailed(f"job {params.source_job_id} has no checkpoint on this worker's storage ({checkpoint})")
+        raise JobFailed(f"job {params.source_job_id} has no checkpoint on this worker's storage (its files were "
+                        f"deleted, or the worker does not share the API's data dir)")
     if sha256_file(checkpoint) != params.checkpoint_sha256:
         raise JobFailed(f"the checkpoint of job {params.source_job_id} on this worker's storage is not the one "
                         f"recorded (sha256 {params.checkpoint_sha256[:12]}…); export it again")

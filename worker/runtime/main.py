@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from core.config import Settings
 from core.datasets import DatasetCatalog
@@ -140,6 +140,10 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     worker_shutting_down.connect(lambda **_: state.shutdown.set(), weak=False)
     _sigterm_before_celery(state)
     threading.Thread(target=_prepare_for_jobs, name="prepare-for-jobs", daemon=True).start()
+    # Said before the first heartbeat: from that beat on the stack is ready (/readyz), and `up`'s
+    # banner, which waits for it, comes after this line in its log.
+    log.info("worker %s on %s (torch %s, CUDA_VISIBLE_DEVICES=%r)", device.worker_name, device.id,
+             torch.__version__, os.environ.get("CUDA_VISIBLE_DEVICES"))
     heartbeat.beat()
     heartbeat.start()
     inference.start()
@@ -153,8 +157,7 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
         else:
             tracker = Tracker(client, settings)
             tracker.start()
-    log.info("worker %s on %s (torch %s, CUDA_VISIBLE_DEVICES=%r)", device.worker_name, device.id,
-             torch.__version__, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    _quiet_celery_root_warning(celery.conf.accept_content)
     worker = celery.Worker(hostname=device.worker_name, pool="solo", concurrency=1,
                            queues=_current.queues(), without_gossip=True, without_mingle=True,
                            optimization="fair", loglevel="INFO")
@@ -170,6 +173,21 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     if state.out_of_service.is_set():
         _exit_out_of_service()
     return worker.exitcode or 0
+
+
+def _quiet_celery_root_warning(accept_content: Any) -> None:
+    """Celery warns a worker run as root, at every start, that it is "absolutely not recommended". The
+    danger it means is a pickled message run as root, and this worker accepts JSON only (with pickle
+    accepted Celery refuses to start as root by itself); `make run` as root and a root container do
+    so on purpose (the image runs as a user of its own). Nothing is hidden when pickle is accepted."""
+    if any("pickle" in str(content) or "serialize" in str(content) for content in accept_content or ()):
+        return
+    import warnings
+
+    from celery.exceptions import SecurityWarning
+
+    warnings.filterwarnings("ignore", message="You're running the worker with superuser privileges",
+                            category=SecurityWarning)
 
 
 def _sigterm_before_celery(state: WorkerState) -> None:

@@ -89,7 +89,10 @@ class ModelCache:
         try:
             stat = path.stat()
         except FileNotFoundError:
-            raise CheckpointError(f"job {job_id} has no checkpoint on this worker's storage ({path})") from None
+            # The path is the worker's business (its log); the caller is told what it can act on.
+            log.warning("job %s: no checkpoint at %s", job_id, path)
+            raise CheckpointError(f"job {job_id} has no checkpoint on this worker's storage (its files were "
+                                  f"deleted, or the worker does not share the API's data dir)") from None
         signature = file_signature(stat)
         with self._lock:
             entry = self._models.get(job_id)

@@ -180,7 +180,8 @@ class EarlyStopping:
     def reason(self) -> str:
         assert self.best is not None
         value = self.best.accuracy if self.monitor == "val_accuracy" else self.best.loss
-        return (f"early stopping: {self.monitor} did not improve for {self.epochs_without_improvement} epochs "
+        return (f"early stopping: {self.monitor} did not improve for {self.epochs_without_improvement} "
+                f"epoch{'' if self.epochs_without_improvement == 1 else 's'} "
                 f"(patience {self.patience}); best {value:.4f} at epoch {self.best_epoch}")
 
     def state_dict(self) -> dict[str, Any]:

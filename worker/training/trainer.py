@@ -268,7 +268,7 @@ class Trainer:
                 self.reporter.notice(stop_kind, {"epoch": epoch, "best_epoch": stopper.best_epoch}, stop_reason)
                 break
         epochs_run = history[-1].epoch if history else epoch
-        stop_reason = stop_reason or f"completed {epochs_run} epochs"
+        stop_reason = stop_reason or f"completed {epochs_run} epoch{'' if epochs_run == 1 else 's'}"
 
         kept_epoch, kept = epochs_run, last_measured
         if params.keep == "best" and best is not None:

@@ -29,11 +29,13 @@ def _caller(request: Request, note: str | None) -> Caller:
 
 @router.get("/aliases", response_model=AliasList)
 def list_aliases(services: ServicesDep) -> AliasList:
+    """Every alias with the job it points at."""
     return AliasList(aliases=services.aliases.store.list())
 
 
-@router.get("/aliases/{name}", response_model=Alias)
+@router.get("/aliases/{name}", response_model=Alias, responses={404: {"description": "no such alias"}})
 def get_alias(services: ServicesDep, name: str) -> Alias:
+    """One alias: its job, that job's model, when and by whom it last moved."""
     return services.aliases.store.get(name)
 
 
@@ -53,14 +55,15 @@ def rollback_alias(services: ServicesDep, name: str, request: Request, body: Ali
     return services.aliases.rollback(name, _caller(request, body.note if body else None))
 
 
-@router.get("/aliases/{name}/history", response_model=AliasHistory)
+@router.get("/aliases/{name}/history", response_model=AliasHistory,
+            responses={404: {"description": "no such alias, and no history of one"}})
 def alias_history(services: ServicesDep, name: str,
                   limit: Annotated[int, Query(ge=1, le=1000)] = 100) -> AliasHistory:
     """Every move, newest first: what from, what to, when, by whom (address, User-Agent, note)."""
     return services.aliases.store.history(name, limit)
 
 
-@router.delete("/aliases/{name}", status_code=204)
+@router.delete("/aliases/{name}", status_code=204, responses={404: {"description": "no such alias"}})
 def delete_alias(services: ServicesDep, name: str, request: Request,
                  note: Annotated[str | None, Query(max_length=500)] = None) -> Response:
     """Remove the name (its history stays); its job can be deleted again."""

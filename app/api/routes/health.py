@@ -18,6 +18,7 @@ def healthz() -> Health:
 @router.get("/readyz", response_model=Health, dependencies=[Depends(bearer_scheme)],
             responses={503: {"description": "Redis or every worker is missing"}})
 def readyz(services: ServicesDep) -> Health | JSONResponse:
+    """Ready to work: Redis answers and at least one worker's heartbeat is fresh (503 naming what is missing)."""
     try:
         services.redis.ping()
     except Exception as exc:

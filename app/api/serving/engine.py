@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -43,11 +44,12 @@ from starlette.requests import Request
 from app.api.serving.devices import LiveDevices
 from app.api.serving.intake import Intake, PredictCall
 from app.api.serving.replies import ReplyInbox
-from app.api.serving.transport import MOVED, Transport
+from app.api.serving.transport import MOVED, NOT_A_MODEL, Transport
 from core import keys
 from core.config import Settings
 from core.errors import Conflict, NotFound, TorchyardError, Unavailable
-from core.schemas import JobStatus
+from core.kind_words import job_phrase
+from core.schemas import JobKind, JobStatus
 from core.wire import PredictHeader, PredictReply, PredictRequest
 
 log = logging.getLogger(__name__)
@@ -213,7 +215,10 @@ class PredictionClient:
         names it): the job's status or MOVED. Records where it went in `flight`."""
         live = await self.live.read()
         if not live:  # still say 404 / 409 first: they do not depend on a worker
-            self._check_status(job_id, await self.redis.hget(keys.job(job_id), "status"))
+            status, kind, params = await self.redis.hmget(keys.job(job_id), ["status", "kind", "params"])
+            if status == JobStatus.succeeded.value and kind not in (None, JobKind.train.value):
+                status = f"{NOT_A_MODEL}{kind} {params or ''}"
+            self._check_status(job_id, status)
             raise NoLiveWorker("no live worker can serve predictions; start one with `torchyard worker`",
                                retry_after_s=2)
         device = self.live.pick_device(job_id, live)
@@ -231,5 +236,9 @@ class PredictionClient:
     def _check_status(job_id: str, status: str | None) -> None:
         if status is None:
             raise NotFound(f"job {job_id} not found")
+        if status.startswith(NOT_A_MODEL):
+            kind, _, params = status.removeprefix(NOT_A_MODEL).partition(" ")
+            raise Conflict(f"job {job_id} is {job_phrase(kind, json.loads(params) if params else None)}, which has "
+                           f"no model; predict with a training job's id")
         if status != JobStatus.succeeded.value:
             raise Conflict(f"job {job_id} is {status}; only a succeeded job can predict")

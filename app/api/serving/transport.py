@@ -26,9 +26,18 @@ from core import keys
 from core.redis import execute_once
 from core.schemas import JobStatus
 
+# A succeeded job of another kind (an evaluation, an export...) has no model to predict with: the
+# scripts answer this prefix, the job's kind and its params (which name the job it was made from).
+NOT_A_MODEL = "~not-a-model "
+_KIND_CHECK = """
+local job = redis.call('HMGET', KEYS[{job}], 'status', 'kind', 'params')
+local status = job[1]
+if status == ARGV[{succeeded}] and job[2] and job[2] ~= 'train' then
+  return '""" + NOT_A_MODEL + """' .. job[2] .. ' ' .. (job[3] or '')
+end
+"""
 # Queue the request only if the job succeeded; return its status either way (nil: no such job).
-_QUEUE_IF_SUCCEEDED = """
-local status = redis.call('HGET', KEYS[1], 'status')
+_QUEUE_IF_SUCCEEDED = _KIND_CHECK.format(job=1, succeeded=1) + """
 if status == ARGV[1] then
   redis.call('RPUSH', KEYS[2], ARGV[2])
 end
@@ -41,7 +50,7 @@ _QUEUE_IF_ALIAS_STILL_THERE = """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then
   return '""" + MOVED + """'
 end
-local status = redis.call('HGET', KEYS[2], 'status')
+""" + _KIND_CHECK.format(job=2, succeeded=3) + """
 if status == ARGV[3] then
   redis.call('RPUSH', KEYS[3], ARGV[4])
 end

@@ -24,6 +24,13 @@ export const pct = (v) => (v === null || v === undefined ? "–" : `${(100 * v).
 export const shortId = (id) => (id ? id.slice(-10) : "–");
 export const kindOf = (job) => job.kind || "train";
 export const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+// `1 epoch`, `3 epochs`: the noun agrees with the number.
+export const count = (n, one, many = `${one}s`) => `${n} ${n === 1 ? one : many}`;
+// A dataset in a list: its name, its version when a name has several, its id.
+export const datasetLabel = (d) => (d.name && d.name !== d.id ? `${d.name}${d.version > 1 ? ` v${d.version}` : ""} (${d.id})` : d.id);
+// An export format as its project spells it (never `TORCHSCRIPT`).
+const FORMATS = { onnx: "ONNX", torchscript: "TorchScript" };
+export const formatName = (format) => FORMATS[format] || format || "";
 
 export function bytes(n) {
   if (n === null || n === undefined) return "–";

@@ -1,7 +1,7 @@
 // Evaluation results: per-class bars and the confusion matrix as a heat-map table; a training
 // job's evaluations (each a job of its own, linked to its view) and the form to start another.
 import { getJSON, sendJSON } from "./api.js";
-import { $, el, jobLink, pct, shortId, sleep, TERMINAL } from "./dom.js";
+import { $, count, datasetLabel, el, jobLink, pct, shortId, sleep, TERMINAL } from "./dom.js";
 
 export function clearEvaluation() {
   $("evaluation-view").hidden = true;
@@ -14,7 +14,7 @@ export function clearEvaluation() {
 
 export function resultTitle(prefix, datasetName, r) {
   const what = r.split === "validation" ? `validation split, weights of epoch ${r.epoch}` : r.split === "test" ? "test split" : "all images";
-  return `${prefix} on ${datasetName || r.dataset} (${what}): accuracy ${pct(r.accuracy)}, loss ${r.loss.toFixed(4)}, ${r.num_images} images`;
+  return `${prefix} on ${datasetName || r.dataset} (${what}): accuracy ${pct(r.accuracy)}, loss ${r.loss.toFixed(4)}, ${count(r.num_images, "image")}`;
 }
 
 export function renderEvaluation(result, title) {
@@ -70,12 +70,45 @@ export function renderEvaluations(evaluations) {
   }
 }
 
+// The datasets a model can be evaluated on are those whose every class is one of its own (the
+// server's rule, core/kinds/evaluate/submit.py), on disk, labelled and of two classes or more; the
+// others stay listed, greyed out with the reason. The default: the set's `-test` sibling, else the
+// set it trained on, else the first that fits.
+let knownDatasets = [];
+let evaluatedJob = null;
+
 export function fillEvaluateDatasets(datasets) {
+  knownDatasets = datasets;
+  fitEvaluateDatasets(evaluatedJob);
+}
+
+function unfitReason(d, job) {
+  if (d.available === false) return "not on this server's disk";
+  if (d.labeled === false) return "no classes (batch predictions only)";
+  const classes = d.classes || [];
+  if (classes.length < 2) return "fewer than two classes";
+  const model = new Set(job.classes || []);
+  const other = classes.filter((c) => !model.has(c));
+  return other.length ? `classes the model does not have: ${other.slice(0, 3).join(", ")}${other.length > 3 ? " …" : ""}` : "";
+}
+
+export function fitEvaluateDatasets(job) {
   const select = $("evaluate-dataset");
-  const keep = select.value;
-  select.replaceChildren(...datasets.map((d) =>
-    el("option", { value: d.id, disabled: d.available === false }, d.name && d.name !== d.id ? `${d.name} (${d.id})` : d.id)));
-  if (keep) select.value = keep;
+  const keep = job && evaluatedJob && evaluatedJob.id === job.id ? select.value : "";  // this job's own choice
+  evaluatedJob = job;
+  if (!job) { select.replaceChildren(); return; }
+  const reasons = new Map(knownDatasets.map((d) => [d.id, unfitReason(d, job)]));
+  select.replaceChildren(...knownDatasets.map((d) => {
+    const label = datasetLabel(d);
+    const reason = reasons.get(d.id);
+    return el("option", { value: d.id, disabled: Boolean(reason), title: reason || "" }, reason ? `${label} — ${reason}` : label);
+  }));
+  const fits = (id) => id && reasons.get(id) === "";
+  const own = knownDatasets.find((d) => d.id === job.dataset);
+  const sibling = own && knownDatasets.find((d) => d.name === `${own.name}-test` && fits(d.id));
+  const choice = [keep, sibling && sibling.id, job.dataset, ...knownDatasets.map((d) => d.id)].find(fits);
+  select.value = choice || "";
+  $("evaluate-start").disabled = !choice;
 }
 
 // POST /jobs/{id}/evaluate, then the evaluations table polled until this one ends (while the

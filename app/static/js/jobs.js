@@ -1,6 +1,6 @@
 // The jobs table (each row a link to its job's view) and the form that starts a training job.
 import { getJSON, sendJSON } from "./api.js";
-import { $, el, jobHref, kindOf, pct, shortId, when } from "./dom.js";
+import { $, datasetLabel, el, jobHref, kindOf, pct, shortId, when } from "./dom.js";
 import { fillEvaluateDatasets } from "./evaluations.js";
 import { selectedJob } from "./jobview.js";
 import { gangBadge, gangOf, progressOf } from "./kinds.js";
@@ -54,7 +54,7 @@ export async function loadChoices() {
     const keepModel = $("model").value, keepData = $("dataset").value;
     $("model").replaceChildren(...models.models.map((m) => el("option", { value: m.name, title: m.description }, m.name)));
     $("dataset").replaceChildren(...datasets.datasets.map((d) =>
-      el("option", { value: d.id, disabled: d.available === false }, d.name && d.name !== d.id ? `${d.name} (${d.id})` : d.id)));
+      el("option", { value: d.id, disabled: d.available === false }, datasetLabel(d))));
     if (keepModel) $("model").value = keepModel;
     if (keepData) $("dataset").value = keepData;
     else if (datasets.datasets.some((d) => d.id === "fake")) $("dataset").value = "fake";

@@ -4,8 +4,8 @@
 // predict job: images done and its results file. An export: its format, source and file.
 import { api, getJSON, retriable, saveResponse, sendJSON } from "./api.js";
 import { addMetrics, drawCharts, emptySeries } from "./charts.js";
-import { $, el, jobHref, kindOf, show, shortId, sleep, TERMINAL } from "./dom.js";
-import { clearEvaluation, renderEvaluation, renderEvaluations, resultTitle, startEvaluation } from "./evaluations.js";
+import { $, el, formatName, jobHref, kindOf, show, shortId, sleep, TERMINAL } from "./dom.js";
+import { clearEvaluation, fitEvaluateDatasets, renderEvaluation, renderEvaluations, resultTitle, startEvaluation } from "./evaluations.js";
 import { describe, gangLine, gangOf, kindLabel, progressOf } from "./kinds.js";
 import { followEvents } from "./stream.js";
 
@@ -74,6 +74,7 @@ function renderJob(job) {
   }
   $("evaluations-panel").hidden = !(kind === "train" && done);
   if (kind === "train") renderEvaluations(job.evaluations || []);
+  if (kind === "train" && done) fitEvaluateDatasets(job);
   if (kind === "predict") renderPredictSummary(job);
   if (kind === "export") renderExportSummary(job);
 }
@@ -122,7 +123,7 @@ function renderPredictSummary(job) {
 
 function renderExportSummary(job) {
   const p = job.params;
-  $("export-summary").replaceChildren(`${(p.format || "").toUpperCase()} file of job `,
+  $("export-summary").replaceChildren(`${formatName(p.format)} file of job `,
     el("a", { href: jobHref(p.source_job_id), class: "mono" }, shortId(p.source_job_id)),
     job.status === "succeeded" ? " · built and checked against the checkpoint (parity 1e-4)" : "");
 }

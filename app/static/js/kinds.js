@@ -1,6 +1,6 @@
 // What each kind of job shows: its progress (epochs for training, batches for an evaluation,
 // images for a predict job, steps for an export) and the line that says what it does.
-import { el, jobLink, kindOf, TERMINAL } from "./dom.js";
+import { count, el, formatName, jobLink, kindOf, TERMINAL } from "./dom.js";
 
 export function progressOf(kind, p, status) {
   const done = status === "succeeded";
@@ -33,7 +33,7 @@ export function describe(job) {
   const where = job.device ? `on ${job.device}` : `device ${job.requested_device}`;
   const parts = [];
   if (kind === "train") {
-    parts.push(`${job.model} on ${dataset}`, where, `${p.epochs} epochs`, `batch ${ran.batch_size ?? p.batch_size ?? "auto"}`,
+    parts.push(`${job.model} on ${dataset}`, where, count(p.epochs, "epoch"), `batch ${ran.batch_size ?? p.batch_size ?? "auto"}`,
       `${p.optimizer} lr ${p.learning_rate}` + ((ran.schedule ?? p.schedule) ? ` ${ran.schedule ?? p.schedule}` : ""));
     if (p.init_from) parts.push(["from job ", jobLink(p.init_from)]);
     if (p.pretrained) parts.push("from ImageNet weights");
@@ -45,7 +45,7 @@ export function describe(job) {
     parts.push(["labels the images of ", dataset, " with job ", jobLink(p.trained_job),
       p.alias ? ` (alias ${p.alias})` : "", ` (${job.model})`], `top ${p.top_k}`, where);
   } else if (kind === "export") {
-    parts.push([`${(p.format || "").toUpperCase()} export of job `, jobLink(p.source_job_id), ` (${job.model})`], where);
+    parts.push([`${formatName(p.format)} export of job `, jobLink(p.source_job_id), ` (${job.model})`], where);
     if (p.checkpoint_sha256) parts.push(`checkpoint sha256 ${p.checkpoint_sha256.slice(0, 12)}…`);
   }
   const run = job.mlflow;  // its MLflow run, when the service tracks to one (docs/training.md)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from core.aliases import AliasStore
 from core.errors import Conflict, InvalidInput, NotFound
+from core.kind_words import job_phrase
 from core.kinds.batch_predict.params import resolve
 from core.kinds.batch_predict.spec import BatchPredictSpec
 from core.kinds.submitter import Submitter
@@ -62,7 +63,7 @@ class BatchPredictions(Submitter):
         """The finished results of a batch prediction: 404 unknown (or another kind), 409 not succeeded."""
         job = self.store.get(job_id)
         if job.kind is not JobKind.batch_predict:
-            raise NotFound(f"job {job_id} is a {job.kind.value} job; only predict jobs have results")
+            raise NotFound(f"job {job_id} is {job_phrase(job.kind, job.params)}; only batch prediction jobs have results")
         path = results_path(self.paths, job_id)
         if job.status is not JobStatus.succeeded:
             raise Conflict(f"job {job_id} is {job.status.value}; its results are ready when it has succeeded")

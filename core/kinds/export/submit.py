@@ -27,6 +27,7 @@ import redis
 from core import keys
 from core.errors import Conflict, InvalidInput, NotAvailableHere, NotFound, Unavailable
 from core.jobs import JobStore
+from core.kind_words import job_phrase
 from core.kinds.export.params import ExportParams
 from core.schemas import ExportFormat, Job, JobKind, JobStatus
 from core.storage import CheckpointPaths
@@ -59,7 +60,8 @@ class ExportCatalog:
         """(source job, export job, the file when it is ready). Creates the export job when needed."""
         source = self.store.get(job_id)
         if source.kind is not JobKind.train:
-            raise Conflict(f"job {job_id} is a {source.kind.value} job; only a training job's model can be exported")
+            raise Conflict(f"job {job_id} is {job_phrase(source.kind, source.params)}; only a training job's model can "
+                           f"be exported")
         if source.status is not JobStatus.succeeded or source.checkpoint is None:
             raise Conflict(f"job {job_id} is {source.status.value}; only a succeeded job's model can be exported")
         sha = source.checkpoint.sha256

@@ -18,6 +18,7 @@ from core.admission import check_admission, job_shape
 from core.datasets import DatasetRecord, split_sizes
 from core.errors import InvalidInput, NotFound
 from core.gangs.policy import check_world_size
+from core.kind_words import job_phrase
 from core.kinds.submitter import Submitter, check_two_classes, unlabeled_message
 from core.kinds.train.params import TrainingParams
 from core.kinds.train.resolution import known_model, resolve_params
@@ -77,7 +78,7 @@ class JobSubmission(Submitter):
         except (NotFound, InvalidInput):
             raise InvalidInput(f"init_from: job {spec.init_from!r} does not exist") from None
         if parent.kind is not JobKind.train:
-            raise InvalidInput(f"init_from: job {parent.id} is a {parent.kind.value} job, not a training job")
+            raise InvalidInput(f"init_from: job {parent.id} is {job_phrase(parent.kind, parent.params)}, not a training job")
         if parent.status is not JobStatus.succeeded:
             raise InvalidInput(f"init_from: job {parent.id} is {parent.status.value}; only a succeeded job's "
                                f"weights can start another")

@@ -10,6 +10,7 @@ from pydantic import TypeAdapter
 
 from core.defaults import EPOCHS, EVAL_BATCH, EXPORT_PARITY_IMAGES, PREDICT_BATCH_SIZE, TRAIN_BATCH_SIZE
 from core.jobs import JobStore
+from core.kind_words import kind_noun
 from core.kinds import PARAMS, BatchPredictParams, EvaluateParams, ExportParams, TrainingParams, params_of
 from core.kinds.batch_predict import BatchPredictSpec
 from core.kinds.request import JobRequest
@@ -30,7 +31,7 @@ def test_a_job_reads_back_as_the_params_of_its_kind(clean_redis_url: str, kind: 
     assert PARAMS[kind].of(read) == params
     others = [cls for other, cls in PARAMS.items() if other is not kind]
     for cls in others:
-        with pytest.raises(ValueError, match=f"is a {kind.value} job"):
+        with pytest.raises(ValueError, match=f"is {kind_noun(kind)}"):
             cls.of(read)
 
 

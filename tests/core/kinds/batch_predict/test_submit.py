@@ -41,7 +41,7 @@ def test_its_results_are_there_once_it_succeeded(world: World) -> None:
     job, _ = predictions.submit(_spec(job_id=world.trained, dataset=world.shapes.id))
     with pytest.raises(Conflict, match="is queued"):
         predictions.results_file(job.id)
-    with pytest.raises(NotFound, match="only predict jobs have results"):
+    with pytest.raises(NotFound, match="is a training job; only batch prediction jobs have results"):
         predictions.results_file(world.trained)
     world.succeeded(job.id, [])
     results_path(world.paths, job.id).write_text('{"file": "a.png"}\n')
