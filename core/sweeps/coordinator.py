@@ -20,10 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any
-
-import optuna
-from optuna.trial import FrozenTrial, TrialState
+from typing import TYPE_CHECKING, Any
 
 from core.devices import DeviceRegistry
 from core.errors import Conflict, InvalidInput, NotFound
@@ -31,14 +28,22 @@ from core.jobs import JobStore
 from core.kinds.train.submit import JobSubmission
 from core.redis import OUTAGE_ERRORS
 from core.schemas import Job, JobStatus
-from core.sweeps import study as studies
 from core.sweeps.records import TERMINAL_STATUSES, SweepLock, SweepRecords
 from core.sweeps.spec import Sweep, SweepSpec, SweepTrial, check_sweep, is_pruned, trial_body
 
+if TYPE_CHECKING:  # Optuna (and numpy under it) is imported at the first sweep a process advances or
+    # shows, not when an API process starts (tests/models/test_registry.py keeps that start light)
+    import optuna
+    from optuna.trial import FrozenTrial, TrialState
+
 log = logging.getLogger(__name__)
 
-_STATES = {TrialState.RUNNING: "running", TrialState.WAITING: "running", TrialState.COMPLETE: "complete",
-           TrialState.PRUNED: "pruned", TrialState.FAIL: "failed"}
+
+def _state_word(state: TrialState) -> str:
+    from optuna.trial import TrialState
+
+    return {TrialState.RUNNING: "running", TrialState.WAITING: "running", TrialState.COMPLETE: "complete",
+            TrialState.PRUNED: "pruned", TrialState.FAIL: "failed"}[state]
 
 
 def trial_key(sweep_id: str, number: int) -> str:
@@ -89,6 +94,8 @@ class SweepCoordinator:
 
     def delete(self, sweep_id: str) -> None:
         """A sweep that ended: its record and events (its trials' jobs stay: delete them as jobs)."""
+        from core.sweeps import study as studies
+
         raw = self.records.get(sweep_id)
         if raw["status"] not in TERMINAL_STATUSES or sweep_id in self.records.active():
             raise Conflict(f"sweep {sweep_id} is {raw['status']} with trials still running; cancel it first")
@@ -96,6 +103,8 @@ class SweepCoordinator:
         studies.forget(self.redis_url, sweep_id)
 
     def get(self, sweep_id: str) -> Sweep:
+        from core.sweeps import study as studies
+
         raw = self.records.get(sweep_id)
         spec = SweepSpec.model_validate_json(raw["spec"])
         study = studies.open_study(self.redis_url, sweep_id, spec)
@@ -141,6 +150,10 @@ class SweepCoordinator:
                 self._advance(sweep_id, lock)
 
     def _advance(self, sweep_id: str, lock: SweepLock) -> None:
+        from optuna.trial import TrialState
+
+        from core.sweeps import study as studies
+
         raw = self.records.get(sweep_id)
         spec = SweepSpec.model_validate_json(raw["spec"])
         cancelled = raw["status"] == "cancelled"
@@ -167,6 +180,10 @@ class SweepCoordinator:
             self._finish(sweep_id, spec, cancelled, trials)
 
     def _ask(self, sweep_id: str, spec: SweepSpec, parallel: int, lock: SweepLock) -> None:
+        from optuna.trial import TrialState
+
+        from core.sweeps import study as studies
+
         distributions = studies.distributions(spec)
         while True:
             trials = studies.open_study(self.redis_url, sweep_id, spec).get_trials(deepcopy=False)
@@ -185,6 +202,8 @@ class SweepCoordinator:
                 params: dict[str, Any]) -> None:
         """The trial's job (created once, whatever retries it), recorded as the trial's; a trial whose
         body the training submitter refuses (its batch does not fit, say) is told failed with why."""
+        from optuna.trial import TrialState
+
         tags = {"sweep_id": sweep_id, "trial": str(number)}
         try:
             job, _ = self.submission.submit(trial_body(spec.base, params), trial_key(sweep_id, number), tags)
@@ -196,6 +215,8 @@ class SweepCoordinator:
 
     def _follow(self, sweep_id: str, spec: SweepSpec, study: optuna.Study, number: int, job_id: str,
                 cancelled: bool) -> None:
+        from optuna.trial import TrialState
+
         try:
             job = self.jobs.get(job_id)
         except NotFound:
@@ -220,13 +241,19 @@ class SweepCoordinator:
 
     def _tell(self, sweep_id: str, study: optuna.Study, number: int, state: TrialState, value: float | None,
               epoch: int) -> None:
+        from optuna.trial import TrialState
+
         if state is TrialState.COMPLETE:
             study.tell(number, value)
         else:
             study.tell(number, state=state)
-        self.records.trial_told(sweep_id, number, _STATES[state], value, epoch)
+        self.records.trial_told(sweep_id, number, _state_word(state), value, epoch)
 
     def _finish(self, sweep_id: str, spec: SweepSpec, cancelled: bool, trials: list[FrozenTrial]) -> None:
+        from optuna.trial import TrialState
+
+        from core.sweeps import study as studies
+
         complete = [t for t in trials if t.state is TrialState.COMPLETE]
         fields: dict[str, str] = {}
         if complete:
@@ -243,6 +270,8 @@ class SweepCoordinator:
 
     # ------------------------------------------------------------------ pieces
     def _view(self, trial: FrozenTrial, job_id: str | None, error: str | None) -> SweepTrial:
+        from optuna.trial import TrialState
+
         job = None
         if job_id is not None:
             try:
@@ -252,7 +281,7 @@ class SweepCoordinator:
         value = trial.value if trial.state in (TrialState.COMPLETE, TrialState.PRUNED) else None
         if value is None and trial.intermediate_values:
             value = trial.intermediate_values[max(trial.intermediate_values)]
-        return SweepTrial(number=trial.number, job_id=job_id, params=trial.params, state=_STATES[trial.state],
+        return SweepTrial(number=trial.number, job_id=job_id, params=trial.params, state=_state_word(trial.state),
                           value=value, epoch=job.metrics[-1].epoch if job is not None and job.metrics else 0,
                           job_status=job.status.value if job is not None else None,
                           error=error or (job.error if job is not None else None))

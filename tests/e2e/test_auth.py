@@ -63,7 +63,7 @@ def _send(base: str, method: str, path: str, headers: dict[str, str]) -> httpx.R
 def test_route_table_covers_the_contract() -> None:
     paths = {p for _, p in ROUTES}
     assert {"/healthz", "/readyz", "/openapi.json", "/docs", "/jobs", "/jobs/{job_id}", "/predict",
-            "/datasets", "/datasets/{dataset_id}", "/devices", "/models"} <= paths
+            "/datasets", "/datasets/{dataset}", "/devices", "/models"} <= paths
 
 
 @pytest.mark.parametrize(("method", "path"), ROUTES, ids=[f"{m} {p}" for m, p in ROUTES])

@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import orjson
 from starlette.requests import Request
 
@@ -119,6 +118,8 @@ class Inference:
                 raise BadRequest(f"input {INPUT_TENSOR}: {length} bytes of data for shape {tensor.shape} "
                                  f"({n * row} expected)")
         else:
+            import numpy as np  # at the first JSON tensor, not at the API's start (it holds no numpy otherwise)
+
             try:
                 values = np.asarray(tensor.data, dtype="<f4").reshape(-1)
             except (ValueError, TypeError):
@@ -188,6 +189,8 @@ class Inference:
         """The `InferenceResponse`, written as plain data (its pydantic model's fields and order:
         tests/app/api/oip/test_codec.py holds them equal), since building the models cost a fifth of
         the API's own time per request."""
+        import numpy as np  # at the first answer, not at the API's start
+
         request = body.request
         rows = np.array([[math.nan if p is None else p for p in row] for row in reply.probabilities], dtype="<f4")
         outputs: list[dict[str, Any]] = []
