@@ -21,6 +21,12 @@ class Unauthorized(TorchyardError):
     status_code = 401
 
 
+class Forbidden(TorchyardError):
+    """A valid key whose role may not do this (core/access/roles.py): 403, naming the roles that may."""
+
+    status_code = 403
+
+
 class NotFound(TorchyardError):
     status_code = 404
 

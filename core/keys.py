@@ -59,6 +59,12 @@ Layout::
     ty:sweeps:idem:<key>             string POST /sweeps' Idempotency-Key -> {"sweep", "body"} (24 h)
     ty:optuna:<sweep id>:*           the sweep's Optuna study: its journal (JournalRedisBackend's log_number, log:<n>,
                                             snapshot), one per sweep
+
+    ty:apikey:<id>                   hash   an API key: name, role, project, salt, HMAC digest of its secret
+                                            (never the secret), created, expiry, revoked: core/access/keystore.py
+    ty:apikeys                       zset   every key id -> when it was created
+    ty:audit                         stream who did what and with what result (capped; trimmed by retention):
+                                            core/access/audit.py
 """
 
 from __future__ import annotations
@@ -202,3 +208,12 @@ def sweep_lock(sweep_id: str) -> str:
 
 def sweep_idempotency(key: str) -> str:
     return f"{PREFIX}sweeps:idem:{key}"
+
+
+# --- access: API keys and the audit log (core/access/) -----------------------------------------
+API_KEYS_INDEX = f"{PREFIX}apikeys"
+AUDIT = f"{PREFIX}audit"
+
+
+def api_key(key_id: str) -> str:
+    return f"{PREFIX}apikey:{key_id}"

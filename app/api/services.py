@@ -9,6 +9,7 @@ import redis.asyncio as aioredis
 
 from app.api.oip.service import OpenInference
 from app.api.serving.engine import PredictionClient
+from core.access.keystore import KeyStore
 from core.aliases import AliasService, AliasStore, job_is_aliased
 from core.config import Settings
 from core.datasets import DatasetCatalog
@@ -47,6 +48,7 @@ class Services:
     batch_predictions: BatchPredictions
     oip: OpenInference  # the Open Inference Protocol (/v2), on the predictions' engine
     sweeps: SweepCoordinator
+    access_keys: KeyStore  # API keys (core/access/); the gate reads their records itself
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -72,7 +74,8 @@ class Services:
                    batch_predictions=BatchPredictions(jobs, datasets, devices, settings),
                    oip=OpenInference.build(predictions, settings),
                    sweeps=SweepCoordinator(SweepRecords(client), jobs, JobSubmission(jobs, datasets, devices, settings),
-                                           devices, url))
+                                           devices, url),
+                   access_keys=KeyStore(client))
 
     async def close(self) -> None:
         await self.predictions.close()
