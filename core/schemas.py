@@ -183,6 +183,8 @@ class Job(BaseModel):
 
     id: str
     kind: JobKind = JobKind.train
+    project: str = Field(default="default", description="The project of the key that made it (a job made from "
+                                                        "another's checkpoint: that one's).")
     status: JobStatus
     model: str
     dataset: str
@@ -345,6 +347,7 @@ class AliasMove(BaseModel):
 
 class Alias(BaseModel):
     name: str
+    project: str = Field(default="default", description="Its project: a name is unique within one.")
     job_id: str
     model: str = Field(description="The target job's architecture.")
     previous_job_id: str | None = Field(default=None, description="Where a rollback goes.")

@@ -25,16 +25,18 @@ import hmac
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import redis
 import redis.asyncio as aioredis
-from fastapi import Request
+from fastapi import Query, Request
 from starlette.types import Scope
 
 from core.access import audit
 from core.access.keystore import BOOTSTRAP, OPEN, Principal, fetch_record, key_id_of, verify
-from core.access.roles import ROLE_ABILITIES, needed, roles_allowed
+from core.access.models import PROJECT_PATTERN
+from core.access.projects import Acting, acting, set_acting
+from core.access.roles import ROLE_ABILITIES, Role, needed, roles_allowed
 from core.config import Settings
 from core.errors import Forbidden, Unavailable
 
@@ -104,10 +106,25 @@ def check(principal: Principal, method: str, route: str) -> None:
                     f"({method} {route}); that needs a key with role {allowed}")
 
 
-async def authorize(request: Request) -> None:
-    """The per-route dependency: the role table applied to the route FastAPI matched."""
+def acting_for(principal: Principal) -> Acting:
+    """An admin sees every project (and makes in its key's); any other key its own project only."""
+    return Acting(principal.project, None if principal.role is Role.admin else principal.project)
+
+
+async def authorize(request: Request, project: Annotated[str | None, Query(
+        pattern=PROJECT_PATTERN, description="an admin: act in this project only (see and make its objects); "
+                                             "another key: its own project, or a 403")] = None) -> None:
+    """The per-route dependency: the role table applied to the route FastAPI matched, then an
+    admin's `?project=` (set here, in the request's task: the route's thread-pool call inherits it)."""
     route = getattr(request.scope.get("route"), "path", request.url.path)
-    check(principal_of(request.scope), request.method, route)
+    principal = principal_of(request.scope)
+    check(principal, request.method, route)
+    if project is None or project == acting().sees:
+        return
+    if principal.role is not Role.admin:
+        raise Forbidden(f"key {principal.name!r} acts in project {principal.project!r} only; "
+                        f"?project={project} needs an admin key")
+    set_acting(Acting(project, project))  # the gate resets the request's context when it ends
 
 
 async def caller(request: Request) -> Principal:

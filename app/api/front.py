@@ -34,9 +34,10 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match, compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.access import PRINCIPAL, Auditor, KeyCheck, check
+from app.api.access import PRINCIPAL, Auditor, KeyCheck, acting_for, check
 from app.api.origins import HostCheck, OriginCheck
 from core.access.keystore import Principal
+from core.access.projects import reset_acting, set_acting
 from core.config import Settings
 from core.errors import Forbidden, Unavailable
 
@@ -187,18 +188,29 @@ class FrontGate:
         cap = self.routes.body_cap(policy)
         direct = self.direct.get((scope["method"], scope["path"])) or self._subtree(scope["path"])
         key = direct.error_key if direct is not None else "detail"
-        principal = None
+        principal, acting = None, None
         try:
             self._judge_source(scope["method"], head)
             if not policy.open:
                 principal = await self._identify(scope, head, direct)
+                acting = set_acting(acting_for(principal))  # whose objects it sees (core/access/projects.py)
             self._judge_body(head, policy, cap)
         except _Refusal as refusal:
             _label_route(scope)
             await _reply(send, refusal.status, refusal.detail, close=head.has_body, headers=refusal.headers, key=key)
             if principal is not None and refusal.status == 403:
                 await self.auditor.record(_redis(scope), scope, principal, 403, None)
+            if acting is not None:
+                reset_acting(acting)
             return
+        try:
+            await self._serve(scope, receive, send, head, cap, direct, key, principal)
+        finally:
+            if acting is not None:
+                reset_acting(acting)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, head: _Head, cap: int,
+                     direct: DirectRoute | None, key: str, principal: Principal | None) -> None:
 
         guard = _BodyGuard(receive, cap, self.body_timeout_s, self.min_body_rate)
         started = False

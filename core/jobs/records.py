@@ -16,6 +16,7 @@ from typing import Any
 import redis
 
 from core import keys
+from core.access.projects import project_of, visible
 from core.errors import NotFound
 from core.queue import Dispatch, TrainDelivery
 from core.schemas import Job, JobStatus
@@ -93,7 +94,7 @@ class JobStoreBase:
     def _raw(self, job_id: str) -> dict[str, str]:
         validate_id(job_id, "job id")
         raw = self.redis.hgetall(keys.job(job_id))
-        if not raw:
+        if not raw or not visible(project_of(raw.get("project"))):  # another project's: not there for it
             raise NotFound(f"job {job_id} not found")
         return raw
 
