@@ -36,6 +36,7 @@ from app.api.routes import (
     metrics,
     models,
     predict,
+    projects,
     sweeps,
 )
 from app.api.services import Services
@@ -174,11 +175,11 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
                                    swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
                                    swagger_ui_parameters={"validatorUrl": None})
 
-    for module in (devices, models, datasets, jobs, predict, metrics, aliases, exports, sweeps, access):
+    for module in (devices, models, datasets, jobs, predict, metrics, aliases, exports, sweeps, access, projects):
         app.include_router(module.router, dependencies=guarded, responses=refused)
     # The routes as declared, for the front gate to name the route of a request it refuses
     # (FastAPI keeps included routers behind wrappers of its own in app.router.routes).
     app.state.declared_routes = [route for module in (health, devices, models, datasets, jobs, predict, metrics,
-                                                      aliases, exports, sweeps, access)
+                                                      aliases, exports, sweeps, access, projects)
                                   for route in module.router.routes]
     return app

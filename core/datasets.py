@@ -6,6 +6,7 @@ import difflib
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal
@@ -77,6 +78,7 @@ class DatasetRecord(BaseModel):
     # An upload's project (one recorded before projects: "default"); a built-in's is None: shared by
     # every project, read-only (core/access/projects.py). Names are unique within a project.
     project: str | None = None
+    size_bytes: int | None = None  # an upload's archive, as sent: what a project's dataset_bytes quota counts
 
     @model_validator(mode="after")
     def _an_upload_has_a_project(self) -> DatasetRecord:
@@ -154,6 +156,8 @@ class DatasetCatalog:
         self.settings = settings
         self.jobs = jobs
         self._claim = client.register_script(_CLAIM)
+        # A project's quota check before an upload is extracted (project, archive bytes; core/access/quotas.py)
+        self.admit: Callable[[str, int], None] | None = None
 
     def get(self, dataset_id: str) -> DatasetRecord:
         if dataset_id in BUILTINS:
@@ -238,6 +242,9 @@ class DatasetCatalog:
         set can only be predicted on, and the record says so (training and evaluation refuse it)."""
         if name is not None and not (0 < len(name) <= 200):
             raise InvalidInput("name must be 1 to 200 characters")
+        size = archive.stat().st_size if isinstance(archive, Path) else None
+        if self.admit is not None and size is not None:
+            self.admit(home(), size)
         if name is not None and not new_version:  # early, before extracting; checked again as it is recorded
             _refuse_taken_name(name, [r for r in self.list() if r.project in (None, home())])
         dataset_id = f"ds{secrets.token_hex(8)}"
@@ -254,7 +261,7 @@ class DatasetCatalog:
             classes=extracted.classes if labeled else None, num_images=extracted.num_images,
             class_counts=extracted.class_counts if labeled else None,
             skipped=[{"path": s.path, "reason": s.reason} for s in extracted.skipped], created_at=utc_now_iso(),
-            labeled=labeled, project=home(),
+            labeled=labeled, project=home(), size_bytes=size,
         )
         try:
             return self._record_upload(record, name, new_version)

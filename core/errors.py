@@ -54,6 +54,17 @@ class Unavailable(TorchyardError):
         self.retry_after_s = retry_after_s
 
 
+class OverQuota(TorchyardError):
+    """A project's quota reached (core/access/quotas.py): 429, naming the quota and its value;
+    `retry_after_s` when waiting helps (queued jobs end), None when it does not (stored bytes)."""
+
+    status_code = 429
+
+    def __init__(self, detail: str, retry_after_s: int | None = None) -> None:
+        super().__init__(detail)
+        self.retry_after_s = retry_after_s
+
+
 class DeviceInUse(TorchyardError):
     """A worker tried to pin a device another live worker already holds."""
 

@@ -68,6 +68,7 @@ Layout::
     ty:apikeys                       zset   every key id -> when it was created
     ty:audit                         stream who did what and with what result (capped; trimmed by retention):
                                             core/access/audit.py
+    ty:project:<project>:quota       string a project's quotas (JSON; PUT /projects/{name}): core/access/quotas.py
 """
 
 from __future__ import annotations
@@ -225,3 +226,7 @@ AUDIT = f"{PREFIX}audit"
 
 def api_key(key_id: str) -> str:
     return f"{PREFIX}apikey:{key_id}"
+
+
+def project_quota(project: str) -> str:
+    return f"{PREFIX}project:{project}:quota"

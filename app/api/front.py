@@ -94,6 +94,7 @@ def route_rules(settings: Settings) -> list[Rule]:
              RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
         Rule(frozenset({"POST"}), "/sweeps", RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
         Rule(frozenset({"POST"}), "/keys", RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
+        Rule(frozenset({"PUT"}), "/projects/{name}", RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
     ]
 
 

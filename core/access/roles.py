@@ -80,6 +80,8 @@ POLICY: dict[tuple[str, str], Ability] = {
     ("DELETE", "/keys/{key_id}"): _M,
     ("GET", "/audit"): _M,
     ("GET", "/whoami"): _S,
+    ("PUT", "/projects/{name}"): _M,
+    ("GET", "/projects/{name}"): _S,
     # The Open Inference Protocol's subtree (app/api/oip/), served by the front gate: its reads
     # (server and model metadata, statistics) are the serving catalog's; every POST infers (or
     # lists the repository, a read of the same catalog: POST by the protocol's choice).

@@ -124,6 +124,8 @@ class Intake(JobStoreBase):
                         return
             if source and not pipe.exists(source):
                 raise NotFound(f"job {depends_on} was deleted while this request was checked; nothing was created")
+            if self.admit is not None:  # a retry of a created job was answered above: only a new job counts
+                self.admit(project)
             now = seconds_from_time_reply(pipe.time()) if watched else redis_now(self.redis)
             pipe.multi()
             pipe.hset(keys.job(job_id), mapping=record)

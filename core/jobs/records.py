@@ -11,6 +11,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -84,6 +85,9 @@ class JobStoreBase:
         # How long a sent message may go unclaimed before the reconciler looks for it: about a
         # lease TTL, so a lost message is re-sent within about a lease TTL.
         self.dispatch_grace_s = lease_ttl_s if dispatch_grace_s is None else dispatch_grace_s
+        # A project's quota check before a job is created (core/access/quotas.py; the API sets it:
+        # OverQuota refuses); None: none (a worker's store, a test's).
+        self.admit: Callable[[str], None] | None = None
 
     def get(self, job_id: str) -> Job:
         return Job.model_validate(decode_record(self._raw(job_id)))

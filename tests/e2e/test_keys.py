@@ -41,12 +41,12 @@ def forbidden(role: str, method: str, path: str) -> bool:
     """What docs/security.md promises each role, written apart from core/access/roles.py's table."""
     if role == "admin":
         return False
-    if path.startswith("/keys") or path == "/audit":
+    if path.startswith("/keys") or path == "/audit" or (method == "PUT" and path.startswith("/projects")):
         return True
     if role == "trainer":
         return False
     catalog = method == "GET" and (path in {"/readyz", "/devices", "/models", "/whoami"}
-                                   or path.startswith(("/aliases", "/v2")))
+                                   or path.startswith(("/aliases", "/v2", "/projects")))
     if role == "predictor":
         return not (catalog or (method == "POST" and (path == "/predict" or path.startswith("/v2"))))
     return method != "GET" or path.endswith("/export")  # a viewer reads; an export's GET builds one
