@@ -185,6 +185,8 @@ class Job(BaseModel):
     kind: JobKind = JobKind.train
     project: str = Field(default="default", description="The project of the key that made it (a job made from "
                                                         "another's checkpoint: that one's).")
+    priority: Literal["low", "normal", "high"] = Field(default="normal", description="Its place among its project's "
+                                                                                       "queued jobs (POST /jobs).")
     status: JobStatus
     model: str
     dataset: str

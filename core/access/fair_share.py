@@ -12,6 +12,10 @@ keep their submission order. A message sent again (recovery, a worker that gave 
 judged again when it is sent. Gangs wait in ty:gangs:waiting (core/gangs/), not in these lists:
 they are not reordered.
 
+Within a project, `priority` (POST /jobs: low, normal, high): a job counts only the project's
+older queued jobs of its priority or higher, and a high job one less, a low one one more, so a
+high job goes ahead of its project's normal ones, a low one behind them.
+
 What it is not: a share of device time. A project whose jobs are long keeps the devices it got;
 the order only decides who takes the next free device.
 """
@@ -26,14 +30,27 @@ from core.access.projects import project_of
 STEPS = (0, 3, 6, 9)  # kombu's default priority_steps: the lists a worker reads, in this order
 
 
+RANK = {"low": 0, "normal": 1, "high": 2}
+
+
 def share_priority(client: Any, job_id: str) -> int:
     """The priority step `job_id`'s message is sent with: its project's running jobs plus its jobs
-    queued before it, 0 for none, the last step from three on."""
-    project = project_of(client.hget(keys.job(job_id), "project"))
+    queued before it (of its priority or higher), one less for a high job and one more for a low one;
+    0 for none, the last step from three on."""
+    project, priority = client.hmget(keys.job(job_id), "project", "priority")
+    project, rank = project_of(project), RANK.get(_text(priority) or "normal", 1)
     running = client.zrange(keys.jobs_with_status("running"), 0, -1)
     older = client.zrangebylex(keys.jobs_with_status("queued"), "-", f"({job_id}")
     pipe = client.pipeline(transaction=False)
     for other in (*running, *older):
-        pipe.hget(keys.job(other), "project")
-    load = sum(1 for p in pipe.execute() if project_of(p) == project)
-    return STEPS[min(load, len(STEPS) - 1)]
+        pipe.hmget(keys.job(other), "project", "priority")
+    replies = pipe.execute()
+    load = sum(1 for p, _ in replies[:len(running)] if project_of(p) == project)
+    load += sum(1 for p, q in replies[len(running):]
+                if project_of(p) == project and RANK.get(_text(q) or "normal", 1) >= rank)
+    load += 1 - rank  # high: one less, low: one more
+    return STEPS[max(0, min(load, len(STEPS) - 1))]
+
+
+def _text(value: Any) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,6 +1,7 @@
 """Fair share between projects with two real CPU workers on one Redis: with project alpha holding
 both devices and a backlog, project beta's first job is the next to start when a device frees,
-not after alpha's backlog (core/access/fair_share.py). The check is the order jobs started in."""
+not after alpha's backlog; then alpha's high-priority job goes ahead of its own waiting normal
+ones (core/access/fair_share.py). The checks are the order jobs started in."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tests.support import Processes, flush, wait_for_job, wait_until, with_db
 pytestmark = pytest.mark.e2e
 
 KEY = "bootstrap-admin-key-for-the-fair-share-test"
-LONG = {"model": "cifar_net", "dataset": "fake", "epochs": 3, "patience": 0}
+LONG = {"model": "cifar_net", "dataset": "fake", "epochs": 5, "patience": 0}
 
 
 def test_another_projects_first_job_starts_before_a_backlog(redis_base_url: str, tmp_path: Path) -> None:
@@ -49,6 +50,17 @@ def test_another_projects_first_job_starts_before_a_backlog(redis_base_url: str,
         for job_id in backlog:
             job = admin.get(f"/jobs/{job_id}").json()
             assert job["started_at"] is None or job["started_at"] > started["started_at"], (job_id, job["started_at"])
+
+        # Within alpha, a high-priority job goes ahead of its normal ones still waiting.
+        urgent = teams["alpha"].post("/jobs", json={**LONG, "priority": "high"}).json()
+        assert urgent["priority"] == "high"
+        waiting = [j for j in backlog if admin.get(f"/jobs/{j}").json()["status"] == "queued"]
+        assert waiting, "alpha's backlog started before the high-priority job was sent: make the jobs longer"
+        first = wait_for_job(admin, urgent["id"], {"running", "succeeded", "failed"}, timeout=300)
+        for job_id in waiting:
+            job = admin.get(f"/jobs/{job_id}").json()
+            assert job["started_at"] is None or job["started_at"] > first["started_at"], (job_id, job["started_at"])
+        alpha_jobs.append(urgent["id"])
         for job_id in [*alpha_jobs, beta_job]:  # what is left is not the test's: stop it
             admin.post(f"/jobs/{job_id}/cancel")
         for client in teams.values():
