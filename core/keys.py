@@ -69,6 +69,7 @@ Layout::
     ty:audit                         stream who did what and with what result (capped; trimmed by retention):
                                             core/access/audit.py
     ty:project:<project>:quota       string a project's quotas (JSON; PUT /projects/{name}): core/access/quotas.py
+    ty:project:<p>:predict:<second>  string its predictions in that second (TTL 2 s), with a predict_per_second quota
 """
 
 from __future__ import annotations
@@ -230,3 +231,7 @@ def api_key(key_id: str) -> str:
 
 def project_quota(project: str) -> str:
     return f"{PREFIX}project:{project}:quota"
+
+
+def project_predictions(project: str, second: int) -> str:
+    return f"{PREFIX}project:{project}:predict:{second}"

@@ -32,13 +32,15 @@ import redis.asyncio as aioredis
 from fastapi import Query, Request
 from starlette.types import Scope
 
+from core import keys
 from core.access import audit
 from core.access.keystore import BOOTSTRAP, OPEN, Principal, fetch_record, key_id_of, verify
 from core.access.models import PROJECT_PATTERN
 from core.access.projects import Acting, acting, set_acting
+from core.access.quotas import Quota
 from core.access.roles import ROLE_ABILITIES, Role, needed, roles_allowed
 from core.config import Settings
-from core.errors import Forbidden, Unavailable
+from core.errors import Forbidden, OverQuota, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +132,47 @@ async def authorize(request: Request, project: Annotated[str | None, Query(
 async def caller(request: Request) -> Principal:
     """The caller, for a route that records or shows who it is (POST /keys, GET /whoami)."""
     return principal_of(request.scope)
+
+
+class PredictRate:
+    """A project's `predict_per_second` quota on /predict and /v2 infer, in the gate, before the body:
+    one counter per project and second in Redis (INCR + EXPIRE, shared by every API process). The
+    quota itself is read at most once a second per process and project, so a project without one
+    costs the hot path no Redis call but that."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._limits: dict[str, tuple[float, int | None]] = {}
+
+    async def admit(self, project: str, client: aioredis.Redis) -> None:
+        """OverQuota past the project's quota. Redis away: no check (the request then meets the same
+        outage where it is queued, and is answered 503 there)."""
+        try:
+            await self._admit(project, client)
+        except redis.RedisError:
+            return
+
+    async def _admit(self, project: str, client: aioredis.Redis) -> None:
+        now = self.clock()
+        cached = self._limits.get(project)
+        if cached is None or now - cached[0] > 1.0:
+            raw = await client.get(keys.project_quota(project))
+            cached = (now, Quota.model_validate_json(raw).predict_per_second if raw else None)
+            if len(self._limits) >= CACHE_ENTRIES:
+                self._limits.clear()
+            self._limits[project] = cached
+        limit = cached[1]
+        if limit is None:
+            return
+        if limit > 0:
+            counter = keys.project_predictions(project, int(now))
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.incr(counter)
+                pipe.expire(counter, 2)
+                count, _ = await pipe.execute()
+            if count <= limit:
+                return
+        raise OverQuota(f"project {project!r} is at its quota of predict_per_second = {limit}", retry_after_s=1)
 
 
 class Auditor:

@@ -34,12 +34,12 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match, compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.access import PRINCIPAL, Auditor, KeyCheck, acting_for, check
+from app.api.access import PRINCIPAL, Auditor, KeyCheck, PredictRate, acting_for, check
 from app.api.origins import HostCheck, OriginCheck
 from core.access.keystore import Principal
 from core.access.projects import reset_acting, set_acting
 from core.config import Settings
-from core.errors import Forbidden, Unavailable
+from core.errors import Forbidden, OverQuota, Unavailable
 
 JSON = frozenset({"application/json"})
 MULTIPART = frozenset({"multipart/form-data"})
@@ -177,6 +177,7 @@ class FrontGate:
         self.origins = OriginCheck(settings)
         self.keys = KeyCheck(settings)
         self.auditor = Auditor(settings)
+        self.predict_rate = PredictRate()
         self.body_timeout_s = settings.body_timeout_s
         self.min_body_rate = settings.min_body_rate
 
@@ -271,8 +272,12 @@ class FrontGate:
         if direct is not None:
             try:
                 check(principal, scope["method"], scope["path"])
+                if scope["method"] == "POST":  # a prediction: its project's predict_per_second
+                    await self.predict_rate.admit(acting_for(principal).home, scope["app"].state.services.aredis)
             except Forbidden as exc:
                 raise _Refusal(403, exc.detail) from exc
+            except OverQuota as exc:
+                raise _Refusal(429, exc.detail, ((b"retry-after", b"1"),)) from exc
         return principal
 
     def _judge_body(self, head: _Head, policy: RoutePolicy, cap: int) -> None:

@@ -23,7 +23,8 @@ def _report(client: TorchyardClient, args: argparse.Namespace, project: dict[str
                  [[project["name"], "queued jobs", str(usage["queued_jobs"]), _limit(quota["queued_jobs"])],
                   [project["name"], "running jobs", str(usage["running_jobs"]), "-"],
                   [project["name"], "dataset bytes", f"{usage['dataset_bytes']} ({usage['datasets']} uploads)",
-                   _limit(quota["dataset_bytes"])]])
+                   _limit(quota["dataset_bytes"])],
+                  [project["name"], "predictions per second", "-", _limit(quota.get("predict_per_second"))]])
     return EXIT_OK
 
 
@@ -37,7 +38,7 @@ def _show(client: TorchyardClient, args: argparse.Namespace) -> int:
 
 def _set_quota(client: TorchyardClient, args: argparse.Namespace) -> int:
     current = client._request("GET", f"/projects/{args.name}").json()["quota"]
-    for field in ("queued_jobs", "dataset_bytes"):
+    for field in ("queued_jobs", "dataset_bytes", "predict_per_second"):
         given = getattr(args, field)
         if given is not None:
             current[field] = None if given < 0 else given  # -1: no quota
@@ -53,3 +54,5 @@ def register(command: Command, group: Group) -> None:
     quota.add_argument("name")
     quota.add_argument("--queued-jobs", type=int, default=None, help="jobs waiting at once (-1: no quota)")
     quota.add_argument("--dataset-bytes", type=int, default=None, help="uploaded archives' bytes (-1: no quota)")
+    quota.add_argument("--predict-per-second", type=int, default=None,
+                       help="/predict and /v2 infer requests per second (-1: no quota)")

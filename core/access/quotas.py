@@ -1,7 +1,8 @@
 """Projects' quotas: what an admin sets (PUT /projects/{name}), what a project uses now, and the
 checks that refuse past a quota with a 429 naming it and its value.
 
-Enforced here: `queued_jobs` (a job is refused at creation while its project has that many queued:
+Enforced here (and `predict_per_second` by the API's gate, app/api/access.PredictRate, on the
+prediction routes before their bodies: a counter per project and second in Redis): `queued_jobs` (a job is refused at creation while its project has that many queued:
 waiting helps, so the 429 carries Retry-After) and `dataset_bytes` (an upload whose archive would
 take the project's uploads past it: waiting does not help, no Retry-After). Both are checked
 before the write and not in the same transaction, so two requests at once may pass one over by
@@ -33,6 +34,9 @@ class Quota(BaseModel):
                                     description="jobs waiting for a device at once (429 with Retry-After past it)")
     dataset_bytes: int | None = Field(default=None, ge=0,
                                       description="bytes of the project's uploaded archives together (429 past it)")
+    predict_per_second: int | None = Field(default=None, ge=0, le=1_000_000,
+                                           description="POST /predict and /v2 infer requests per second, every API "
+                                                       "process together (429 with Retry-After past it)")
 
 
 class Usage(BaseModel):

@@ -45,7 +45,8 @@ def api(redis_base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 def test_a_job_past_the_queued_jobs_quota_is_a_429_to_retry(api: dict) -> None:
     set_ = api["admin"].put("/projects/gamma", json={"queued_jobs": 2})
-    assert set_.status_code == 200 and set_.json()["quota"] == {"queued_jobs": 2, "dataset_bytes": None}
+    assert set_.status_code == 200 and set_.json()["quota"] == {"queued_jobs": 2, "dataset_bytes": None,
+                                                                "predict_per_second": None}
     gamma = api["gamma"]
     first = gamma.post("/jobs", json=JOB, headers={"Idempotency-Key": "first"})
     assert first.status_code == 202, first.text
@@ -98,8 +99,27 @@ def test_the_projects_commands(api: dict) -> None:
 
     changed = run("set-quota", "epsilon", "--queued-jobs", "7")
     assert changed.returncode == 0, changed.stderr
-    assert json.loads(changed.stdout)["quota"] == {"queued_jobs": 7, "dataset_bytes": None}
+    assert json.loads(changed.stdout)["quota"] == {"queued_jobs": 7, "dataset_bytes": None, "predict_per_second": None}
     cleared = run("set-quota", "epsilon", "--queued-jobs", "-1", "--dataset-bytes", "1000")
-    assert json.loads(cleared.stdout)["quota"] == {"queued_jobs": None, "dataset_bytes": 1000}
+    assert json.loads(cleared.stdout)["quota"] == {"queued_jobs": None, "dataset_bytes": 1000, "predict_per_second": None}
     shown = run("show", "epsilon")
     assert shown.returncode == 0 and json.loads(shown.stdout)["usage"]["queued_jobs"] == 0
+
+
+def test_predictions_past_the_predict_per_second_quota_are_a_429_before_the_body(api: dict) -> None:
+    """No worker here: an admitted prediction gets its 503; one past the quota, a 429 saying which."""
+    form = {"files": [("file", ("x.png", b"\x89PNG not really", "image/png"))], "data": {"job_id": "nosuchjob"}}
+    assert api["gamma"].post("/predict", **form).status_code != 429
+    assert api["admin"].put("/projects/gamma", json={"predict_per_second": 0}).status_code == 200
+
+    def refused() -> bool:  # each API process reads the quota again within a second
+        answer = api["gamma"].post("/predict", **form)
+        return answer.status_code == 429 and answer.headers["retry-after"] == "1" and \
+            "predict_per_second = 0" in answer.json()["detail"]
+
+    from tests.support import wait_until
+
+    wait_until(refused, timeout=30, what="the quota applied")
+    assert api["gamma"].post("/v2/models/nosuchjob/infer", json={"inputs": []}).status_code == 429
+    assert api["delta"].post("/predict", **form).status_code != 429  # another project's quota is its own
+    assert api["admin"].put("/projects/gamma", json={"predict_per_second": None}).status_code == 200
