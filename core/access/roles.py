@@ -28,7 +28,7 @@ class Ability(StrEnum):
     read = "read datasets, jobs, sweeps and their files"
     predict = "predict"
     write = "change datasets, jobs, sweeps, aliases and exports"
-    manage = "manage keys and read the audit log"
+    manage = "manage keys and quotas and read the audit log"
 
 
 ROLE_ABILITIES: dict[Role, frozenset[Ability]] = {
