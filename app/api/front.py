@@ -200,8 +200,9 @@ class FrontGate:
         except _Refusal as refusal:
             _label_route(scope)
             await _reply(send, refusal.status, refusal.detail, close=head.has_body, headers=refusal.headers, key=key)
-            if principal is not None and refusal.status == 403:
-                await self.auditor.record(_redis(scope), scope, principal, 403, None)
+            who = scope.get(PRINCIPAL)  # set once the key was known: a 403 of the gate's is audited too
+            if isinstance(who, Principal) and refusal.status == 403:
+                await self.auditor.record(_redis(scope), scope, who, 403, None)
             if acting is not None:
                 reset_acting(acting)
             return
@@ -213,7 +214,6 @@ class FrontGate:
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, head: _Head, cap: int,
                      direct: DirectRoute | None, key: str, principal: Principal | None) -> None:
-
         guard = _BodyGuard(receive, cap, self.body_timeout_s, self.min_body_rate)
         started = False
         answered: dict[str, Any] = {}

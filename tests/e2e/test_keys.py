@@ -164,10 +164,12 @@ def test_the_audit_log_names_who_did_what(server: dict) -> None:
         assert trainer.get("/audit").status_code == 403
     with _as(server, "viewer") as viewer:
         assert viewer.delete("/jobs/nosuch").status_code == 403
+        assert viewer.post("/predict", data={"job_id": "nosuch"}).status_code == 403  # the gate's own 403
     entries = server["admin"].get("/audit", params={"limit": 50}).json()["entries"]
     seen = {(e["key_name"], e["method"], e["route"], e["status"]) for e in entries}
     assert ("trainer-key", "DELETE", "/aliases/{name}", 404) in seen
     assert ("trainer-key", "GET", "/audit", 403) in seen and ("viewer-key", "DELETE", "/jobs/{job_id}", 403) in seen
+    assert ("viewer-key", "POST", "/predict", 403) in seen
     created = [e for e in entries if e["route"] == "/keys" and e["method"] == "POST" and e["status"] == 201]
     assert created and all(e["key_id"] == "bootstrap" and e["role"] == "admin" for e in created)
     assert not [e for e in entries if e["method"] == "GET" and e["status"] != 403]  # reads are not audited
