@@ -19,11 +19,13 @@ from fastapi.staticfiles import StaticFiles
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.access import authorize
 from app.api.deps import bearer_scheme
 from app.api.errors import install_error_handlers, unexpected_error_response
 from app.api.front import FrontGate
 from app.api.oip import routes as oip_routes
 from app.api.routes import (
+    access,
     aliases,
     dashboard,
     datasets,
@@ -34,6 +36,7 @@ from app.api.routes import (
     metrics,
     models,
     predict,
+    projects,
     sweeps,
 )
 from app.api.services import Services
@@ -153,7 +156,10 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
     app.include_router(health.router)
     dashboard.install_dashboard(app)  # `/` and /static: no data in them, so no key needed
     app.mount(DOCS_ASSETS, StaticFiles(directory=swagger_ui_assets()), name="docs-assets")  # nor in these
-    documented = [Depends(bearer_scheme)]  # the key itself is checked by the front gate
+    # The key itself is checked by the front gate; the role table (core/access/roles.py) per route here.
+    guarded = [Depends(bearer_scheme), Depends(authorize)]
+    refused: dict[int | str, dict[str, Any]] = {403: {"description": "the key's role may not do this "
+                                                                     "(docs/security.md)"}}
 
     @app.get("/openapi.json", include_in_schema=False)
     def openapi() -> JSONResponse:
@@ -169,10 +175,11 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
                                    swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
                                    swagger_ui_parameters={"validatorUrl": None})
 
-    for module in (devices, models, datasets, jobs, predict, metrics, aliases, exports, sweeps):
-        app.include_router(module.router, dependencies=documented)
+    for module in (devices, models, datasets, jobs, predict, metrics, aliases, exports, sweeps, access, projects):
+        app.include_router(module.router, dependencies=guarded, responses=refused)
     # The routes as declared, for the front gate to name the route of a request it refuses
     # (FastAPI keeps included routers behind wrappers of its own in app.router.routes).
     app.state.declared_routes = [route for module in (health, devices, models, datasets, jobs, predict, metrics,
-                                                      aliases, exports, sweeps) for route in module.router.routes]
+                                                      aliases, exports, sweeps, access, projects)
+                                  for route in module.router.routes]
     return app

@@ -27,6 +27,7 @@ from app.api.oip.catalog import ModelInfo, ModelRef
 from app.api.services import Services
 from app.main import create_app
 from bench.oip import requests_for, sample_jpeg
+from core.access.projects import EVERYWHERE
 from core.config import Settings
 
 CLASSES = [f"c{i}" for i in range(10)]
@@ -37,7 +38,7 @@ def build() -> tuple[Any, dict[str, bytes]]:
     app = create_app(settings)
     services = app.state.services = Services.build(settings)
     info = ModelInfo("job1", "cifar_net", tuple(CLASSES), (3, 32, 32), True)
-    services.oip.catalog._resolved[("job1", None)] = (time.monotonic() + 1e9, ModelRef("job1", ("job1",), "1", info, None))
+    services.oip.catalog._resolved[(EVERYWHERE, "job1", None)] = (time.monotonic() + 1e9, ModelRef("job1", ("job1",), "1", info, None))
     probabilities = orjson.dumps({"job_id": "job1", "model": "cifar_net", "device": "d", "alias": None,
                                   "classes": CLASSES, "probabilities": [[0.1] * 10]})
     top = orjson.dumps({"job_id": "job1", "model": "cifar_net", "device": "d", "alias": None, "results": [

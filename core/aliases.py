@@ -31,6 +31,8 @@ from typing import Any
 import redis
 
 from core import keys
+from core.access.models import DEFAULT_PROJECT
+from core.access.projects import home, project_of, scoped_name, unscoped_name, visible
 from core.clock import utc_now_iso
 from core.errors import Conflict, InvalidInput, NotFound
 from core.kind_words import job_phrase
@@ -61,14 +63,16 @@ class Caller:
 
 def job_is_aliased(client: redis.Redis, job_id: str) -> list[str]:
     """The aliases that point at `job_id` (sorted; empty when none): such a job must not be deleted.
+    An alias points at a job of its own project, so its plain name is the one to give.
 
     For the job-deletion protections (core/retention.py): a delete that WATCHes `keys.ALIASES` in its transaction
     is aborted by any move that happens between this check and the delete."""
-    return sorted(name for name, target in client.hgetall(keys.ALIASES).items() if target == job_id)
+    return sorted(unscoped_name(name)[1] for name, target in client.hgetall(keys.ALIASES).items() if target == job_id)
 
 
 def _record(raw: dict[str, str]) -> Alias:
-    return Alias.model_validate({**raw, "previous_job_id": raw.get("previous_job_id") or None,
+    return Alias.model_validate({**raw, "project": raw.get("project") or DEFAULT_PROJECT,
+                                 "previous_job_id": raw.get("previous_job_id") or None,
                                  "updated_by": raw.get("updated_by") or None, "note": raw.get("note") or None,
                                  "moves": int(raw.get("moves", 1))})
 
@@ -80,17 +84,20 @@ class AliasStore:
         self.redis = client
 
     # ------------------------------------------------------------------ read
+    # A name is unique within a project: each is stored under `scoped_name` (core/access/projects.py),
+    # the name itself in "default" (every alias from before projects keeps its keys).
     def get(self, name: str) -> Alias:
-        raw = self.redis.hgetall(keys.alias(validate_alias_name(name)))
+        raw = self.redis.hgetall(keys.alias(scoped_name(validate_alias_name(name))))
         if not raw:
             raise NotFound(f"alias {name} not found")
         return _record(raw)
 
     def target(self, name: str) -> str | None:
-        return self.redis.hget(keys.ALIASES, validate_alias_name(name))
+        return self.redis.hget(keys.ALIASES, scoped_name(validate_alias_name(name)))
 
     def list(self) -> list[Alias]:
-        names = sorted(self.redis.hkeys(keys.ALIASES))
+        """The aliases the request sees: its project's (an admin's: every project's)."""
+        names = sorted(n for n in self.redis.hkeys(keys.ALIASES) if visible(unscoped_name(n)[0]))
         pipe = self.redis.pipeline(transaction=False)
         for name in names:
             pipe.hgetall(keys.alias(name))
@@ -98,9 +105,9 @@ class AliasStore:
 
     def history(self, name: str, limit: int = 100) -> AliasHistory:
         """Newest first. An alias that was deleted still has its history."""
-        validate_alias_name(name)
-        entries = self.redis.lrange(keys.alias_history(name), -limit, -1)
-        if not entries and not self.redis.exists(keys.alias(name)):
+        stored = scoped_name(validate_alias_name(name))
+        entries = self.redis.lrange(keys.alias_history(stored), -limit, -1)
+        if not entries and not self.redis.exists(keys.alias(stored)):
             raise NotFound(f"alias {name} not found (and has no history)")
         return AliasHistory(name=name, moves=[AliasMove.model_validate_json(e) for e in reversed(entries)])
 
@@ -108,21 +115,23 @@ class AliasStore:
         """The job's model if it can be an alias's target now; 404/409 otherwise (before any preloading)."""
         validate_id(job_id, "job_id")
         raw = self.redis.hgetall(keys.job(job_id))
-        return _target_model(job_id, raw)
+        return _target_model(job_id, raw, home())
 
     # ------------------------------------------------------------------ write
     def move(self, name: str, job_id: str, caller: Caller, *, action: str = "set") -> Alias:
         """Point `name` at `job_id` (creating it), atomically with the check that the job can be its target."""
         validate_alias_name(name)
         validate_id(job_id, "job_id")
-        alias_key, job_key = keys.alias(name), keys.job(job_id)
+        project = home()
+        stored = scoped_name(name, project)
+        alias_key, job_key = keys.alias(stored), keys.job(job_id)
 
         def txn(pipe: redis.client.Pipeline) -> None:
-            model = _target_model(job_id, pipe.hgetall(job_key))
+            model = _target_model(job_id, pipe.hgetall(job_key), project)
             current = pipe.hgetall(alias_key)
             old = current.get("job_id") or None
             now = utc_now_iso()
-            record = {"name": name, "job_id": job_id, "model": model, "updated_at": now,
+            record = {"name": name, "project": project, "job_id": job_id, "model": model, "updated_at": now,
                       "updated_by": caller.address or "", "note": caller.note or "",
                       "created_at": current.get("created_at") or now,
                       "moves": int(current.get("moves", 0)) + 1,
@@ -130,15 +139,15 @@ class AliasStore:
                       "previous_job_id": (current.get("previous_job_id") or "") if old == job_id else (old or "")}
             pipe.multi()
             pipe.hset(alias_key, mapping=record)
-            pipe.hset(keys.ALIASES, name, job_id)
-            self._append(pipe, name, action, old, job_id, caller, now)
+            pipe.hset(keys.ALIASES, stored, job_id)
+            self._append(pipe, stored, action, old, job_id, caller, now)
 
         self.redis.transaction(txn, job_key, alias_key)
         return self.get(name)
 
     def delete(self, name: str, caller: Caller) -> None:
-        validate_alias_name(name)
-        alias_key = keys.alias(name)
+        stored = scoped_name(validate_alias_name(name))
+        alias_key = keys.alias(stored)
 
         def txn(pipe: redis.client.Pipeline) -> None:
             old = pipe.hget(alias_key, "job_id")
@@ -146,23 +155,28 @@ class AliasStore:
                 raise NotFound(f"alias {name} not found")
             pipe.multi()
             pipe.delete(alias_key)
-            pipe.hdel(keys.ALIASES, name)
-            self._append(pipe, name, "delete", old, None, caller, utc_now_iso())
+            pipe.hdel(keys.ALIASES, stored)
+            self._append(pipe, stored, "delete", old, None, caller, utc_now_iso())
 
         self.redis.transaction(txn, alias_key)
 
     @staticmethod
-    def _append(pipe: Any, name: str, action: str, old: str | None, new: str | None, caller: Caller,
+    def _append(pipe: Any, stored: str, action: str, old: str | None, new: str | None, caller: Caller,
                 at: str) -> None:
         entry = {"action": action, "at": at, "from_job_id": old, "to_job_id": new, "by": caller.address,
                  "user_agent": caller.user_agent, "note": caller.note}
-        pipe.rpush(keys.alias_history(name), json.dumps(entry))
-        pipe.ltrim(keys.alias_history(name), -HISTORY_MAX, -1)
+        pipe.rpush(keys.alias_history(stored), json.dumps(entry))
+        pipe.ltrim(keys.alias_history(stored), -HISTORY_MAX, -1)
 
 
-def _target_model(job_id: str, raw: dict[str, str]) -> str:
-    if not raw:
+def _target_model(job_id: str, raw: dict[str, str], project: str) -> str:
+    """The model of `job_id` if an alias of `project` may point at it: a succeeded training job of
+    that project (another project's job does not exist for it: 404)."""
+    if not raw or not visible(project_of(raw.get("project"))):
         raise NotFound(f"job {job_id} not found")
+    if project_of(raw.get("project")) != project:  # an admin's: seen, but of another project
+        raise Conflict(f"job {job_id} is of project {project_of(raw.get('project'))!r}; an alias of project "
+                       f"{project!r} points at its own project's jobs (?project= names the alias's)")
     if raw.get("kind", JobKind.train.value) != JobKind.train.value:
         raise Conflict(f"job {job_id} is {job_phrase(raw['kind'], json.loads(raw.get('params') or '{}'))}; an alias "
                        f"points at a training job")

@@ -233,6 +233,9 @@ class Settings(BaseSettings):
     keep_failed_jobs_days: float = Field(default=30, ge=0, description="Failed and cancelled jobs. 0: forever.")
     keep_job_events_days: float = Field(default=7, ge=0, description="Event streams of finished jobs (trimmed). 0: forever.")
     keep_unused_datasets_days: float = Field(default=0, ge=0, description="Uploads no job used for this long. 0: forever.")
+    keep_audit_days: float = Field(default=90, ge=0, description="Audit log entries (GET /audit). 0: until the cap.")
+    audit_max_entries: int = Field(default=100_000, ge=100, description="The audit log's cap: the oldest entries "
+                                   "go first past it (about 300 bytes each in Redis).")
     cleanup_interval_s: float = Field(default=3600, gt=0, description="How often one API process runs the cleanup.")
     # --- sweeps (core/sweeps/): how often each API process moves the running sweeps on --------------
     sweep_tick_s: float = Field(default=1.0, gt=0, le=60, description="Each API process looks at the running "

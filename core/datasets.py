@@ -6,14 +6,17 @@ import difflib
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Literal
 
 import redis
-from pydantic import BaseModel
+from pydantic import BaseModel, model_validator
 
 from core import keys
+from core.access.models import DEFAULT_PROJECT
+from core.access.projects import home, visible
 from core.archives import extract_image_folder, extract_images
 from core.clock import utc_now_iso
 from core.config import Settings
@@ -72,6 +75,16 @@ class DatasetRecord(BaseModel):
     # Uploads under one name are its versions: the name means the highest (see DatasetCatalog.find);
     # an older one keeps its id, so the jobs that used it still name the images they saw.
     version: int = 1
+    # An upload's project (one recorded before projects: "default"); a built-in's is None: shared by
+    # every project, read-only (core/access/projects.py). Names are unique within a project.
+    project: str | None = None
+    size_bytes: int | None = None  # an upload's archive, as sent: what a project's dataset_bytes quota counts
+
+    @model_validator(mode="after")
+    def _an_upload_has_a_project(self) -> DatasetRecord:
+        if self.kind == "upload" and self.project is None:
+            self.project = DEFAULT_PROJECT
+        return self
 
 
 BUILTINS: dict[str, DatasetRecord] = {
@@ -143,15 +156,18 @@ class DatasetCatalog:
         self.settings = settings
         self.jobs = jobs
         self._claim = client.register_script(_CLAIM)
+        # A project's quota check before an upload is extracted (project, archive bytes; core/access/quotas.py)
+        self.admit: Callable[[str, int], None] | None = None
 
     def get(self, dataset_id: str) -> DatasetRecord:
         if dataset_id in BUILTINS:
             return self._builtin(dataset_id)
         validate_id(dataset_id, "dataset id")
         raw = self.redis.get(keys.dataset(dataset_id))
-        if raw is None:
+        record = DatasetRecord.model_validate_json(raw) if raw is not None else None
+        if record is None or not visible(record.project):  # another project's: not there for this request
             raise NotFound(f"dataset {dataset_id} not found")
-        return DatasetRecord.model_validate_json(raw)
+        return record
 
     def find(self, ref: str) -> DatasetRecord:
         """A dataset by id, else by name (an upload's or a built-in's): the newest version of the sets
@@ -189,7 +205,8 @@ class DatasetCatalog:
     def list(self) -> list[DatasetRecord]:
         ids = sorted(self.redis.smembers(keys.DATASETS_INDEX))
         raws = self.redis.mget([keys.dataset(i) for i in ids]) if ids else []
-        uploads = [DatasetRecord.model_validate_json(r) for r in raws if r]
+        uploads = [record for record in (DatasetRecord.model_validate_json(r) for r in raws if r)
+                   if visible(record.project)]
         return [self._builtin(name) for name in BUILTINS] + uploads
 
     def new_upload_path(self) -> Path:
@@ -208,9 +225,10 @@ class DatasetCatalog:
         validate_id(dataset_id, "dataset id")
         raw = self._claim(keys=[keys.dataset(dataset_id), keys.dataset_last_used(dataset_id)],
                           args=[f"{time.time():.3f}"])
-        if raw is None:
+        record = DatasetRecord.model_validate_json(raw) if raw is not None else None
+        if record is None or not visible(record.project):
             raise NotFound(f"dataset {dataset_id} not found")
-        return DatasetRecord.model_validate_json(raw)
+        return record
 
     def last_used(self, dataset_id: str) -> float | None:
         raw = self.redis.get(keys.dataset_last_used(dataset_id))
@@ -224,8 +242,11 @@ class DatasetCatalog:
         set can only be predicted on, and the record says so (training and evaluation refuse it)."""
         if name is not None and not (0 < len(name) <= 200):
             raise InvalidInput("name must be 1 to 200 characters")
+        size = archive.stat().st_size if isinstance(archive, Path) else None
+        if self.admit is not None and size is not None:
+            self.admit(home(), size)
         if name is not None and not new_version:  # early, before extracting; checked again as it is recorded
-            _refuse_taken_name(name, self.list())
+            _refuse_taken_name(name, [r for r in self.list() if r.project in (None, home())])
         dataset_id = f"ds{secrets.token_hex(8)}"
         limits = ArchiveLimits(
             max_entries=self.settings.max_zip_entries,
@@ -240,7 +261,7 @@ class DatasetCatalog:
             classes=extracted.classes if labeled else None, num_images=extracted.num_images,
             class_counts=extracted.class_counts if labeled else None,
             skipped=[{"path": s.path, "reason": s.reason} for s in extracted.skipped], created_at=utc_now_iso(),
-            labeled=labeled,
+            labeled=labeled, project=home(), size_bytes=size,
         )
         try:
             return self._record_upload(record, name, new_version)
@@ -255,7 +276,7 @@ class DatasetCatalog:
         def txn(pipe: redis.client.Pipeline) -> DatasetRecord:
             ids = sorted(pipe.smembers(keys.DATASETS_INDEX))
             raws = pipe.mget([keys.dataset(i) for i in ids]) if ids else []
-            uploads = [DatasetRecord.model_validate_json(r) for r in raws if r]
+            uploads = [u for u in (DatasetRecord.model_validate_json(r) for r in raws if r) if u.project == record.project]
             versioned = record
             if name is not None and not new_version:
                 _refuse_taken_name(name, [*BUILTINS.values(), *uploads])

@@ -21,6 +21,12 @@ class Unauthorized(TorchyardError):
     status_code = 401
 
 
+class Forbidden(TorchyardError):
+    """A valid key whose role may not do this (core/access/roles.py): 403, naming the roles that may."""
+
+    status_code = 403
+
+
 class NotFound(TorchyardError):
     status_code = 404
 
@@ -42,6 +48,17 @@ class Unavailable(TorchyardError):
     at a limit of its own for now: `retry_after_s`, when known, is sent as Retry-After."""
 
     status_code = 503
+
+    def __init__(self, detail: str, retry_after_s: int | None = None) -> None:
+        super().__init__(detail)
+        self.retry_after_s = retry_after_s
+
+
+class OverQuota(TorchyardError):
+    """A project's quota reached (core/access/quotas.py): 429, naming the quota and its value;
+    `retry_after_s` when waiting helps (queued jobs end), None when it does not (stored bytes)."""
+
+    status_code = 429
 
     def __init__(self, detail: str, retry_after_s: int | None = None) -> None:
         super().__init__(detail)

@@ -13,6 +13,7 @@ Layout::
     ty:jobs:status:<status>          zset   job ids by status
     ty:leases                        zset   running job id -> lease expiry
     ty:idem:<key>                    string Idempotency-Key -> {"job", "request"} (24 h), written with the record
+    ty:project:<project>:idem:<key>  string the same, of a project other than "default" (core/access/projects.py)
     ty:dispatch                      zset   queued job id -> when (Redis time) to check its message was taken
     ty:settle                        zset   ended job id -> when a worker must settle its files (promote, clean)
     ty:recovery                      hash   counters of the recovery paths (re-sent deliveries, expired leases, ...)
@@ -29,6 +30,7 @@ Layout::
     ty:alias:<name>:history          list   every move of the alias, oldest first (JSON, capped)
     ty:export:<sha256>:<format>      string the export job that builds this checkpoint in this format
     ty:export:<sha256>:<format>:lock string held (short TTL) while one API process creates that job
+    ty:project:<p>:export:<sha256>:<format>[:lock]   the same, of a project other than "default"
     ty:dataset:<id>:last_used        string when a job last asked for the dataset (epoch s)
     ty:retention:lock                string the API process running the cleanup (TTL = interval)
     ty:job:<id>:evaluations          zset   evaluation job ids of a trained job (score: submit time)
@@ -57,8 +59,17 @@ Layout::
     ty:sweeps:<id>:events            stream trial and status events, SSE ids
     ty:sweeps:<id>:lock              string the process that advances the sweep now (short TTL)
     ty:sweeps:idem:<key>             string POST /sweeps' Idempotency-Key -> {"sweep", "body"} (24 h)
+    ty:project:<p>:sweeps:idem:<key> string the same, of a project other than "default"
     ty:optuna:<sweep id>:*           the sweep's Optuna study: its journal (JournalRedisBackend's log_number, log:<n>,
                                             snapshot), one per sweep
+
+    ty:apikey:<id>                   hash   an API key: name, role, project, salt, HMAC digest of its secret
+                                            (never the secret), created, expiry, revoked: core/access/keystore.py
+    ty:apikeys                       zset   every key id -> when it was created
+    ty:audit                         stream who did what and with what result (capped; trimmed by retention):
+                                            core/access/audit.py
+    ty:project:<project>:quota       string a project's quotas (JSON; PUT /projects/{name}): core/access/quotas.py
+    ty:project:<p>:predict:<second>  string its predictions in that second (TTL 2 s), with a predict_per_second quota
 """
 
 from __future__ import annotations
@@ -94,8 +105,10 @@ def jobs_with_status(status: str) -> str:
     return f"{JOBS_INDEX}:status:{status}"
 
 
-def idempotency(key: str) -> str:
-    return f"{PREFIX}idem:{key}"
+def idempotency(key: str, project: str = "default") -> str:
+    """A project's Idempotency-Key: "default"'s as before projects; another's in a namespace of its
+    own, which no key of "default" can spell (theirs all start `ty:idem:`)."""
+    return f"{PREFIX}idem:{key}" if project == "default" else f"{PREFIX}project:{project}:idem:{key}"
 
 
 def device_state(device_id: str) -> str:
@@ -132,12 +145,14 @@ def alias_history(name: str) -> str:
     return f"{PREFIX}alias:{name}:history"
 
 
-def export(checkpoint_sha256: str, fmt: str) -> str:
-    return f"{PREFIX}export:{checkpoint_sha256}:{fmt}"
+def export(checkpoint_sha256: str, fmt: str, project: str = "default") -> str:
+    """A project's export of a checkpoint (two projects' identical checkpoints get one each)."""
+    own = "" if project == "default" else f"project:{project}:"
+    return f"{PREFIX}{own}export:{checkpoint_sha256}:{fmt}"
 
 
-def export_lock(checkpoint_sha256: str, fmt: str) -> str:
-    return f"{PREFIX}export:{checkpoint_sha256}:{fmt}:lock"
+def export_lock(checkpoint_sha256: str, fmt: str, project: str = "default") -> str:
+    return f"{export(checkpoint_sha256, fmt, project)}:lock"
 
 
 # --- retention (core/retention.py) -------------------------------------------------------------
@@ -200,5 +215,23 @@ def sweep_lock(sweep_id: str) -> str:
     return f"{PREFIX}sweeps:{sweep_id}:lock"
 
 
-def sweep_idempotency(key: str) -> str:
-    return f"{PREFIX}sweeps:idem:{key}"
+def sweep_idempotency(key: str, project: str = "default") -> str:
+    """As `idempotency`: another project's in a namespace of its own."""
+    return f"{PREFIX}sweeps:idem:{key}" if project == "default" else f"{PREFIX}project:{project}:sweeps:idem:{key}"
+
+
+# --- access: API keys and the audit log (core/access/) -----------------------------------------
+API_KEYS_INDEX = f"{PREFIX}apikeys"
+AUDIT = f"{PREFIX}audit"
+
+
+def api_key(key_id: str) -> str:
+    return f"{PREFIX}apikey:{key_id}"
+
+
+def project_quota(project: str) -> str:
+    return f"{PREFIX}project:{project}:quota"
+
+
+def project_predictions(project: str, second: int) -> str:
+    return f"{PREFIX}project:{project}:predict:{second}"

@@ -41,6 +41,7 @@ from pathlib import Path
 import redis
 
 from core import keys
+from core.access import audit
 from core.config import Settings
 from core.datasets import UPLOAD_TEMP_PREFIX, DatasetCatalog
 from core.errors import Conflict, NotFound
@@ -165,6 +166,7 @@ class Retention:
         self._expire_datasets(now, report)
         self._sweep_checkpoints(now, report)
         self._sweep_datasets_dir(now, report)
+        audit.trim(self.redis, now, self.settings.keep_audit_days)  # its cap bounds it between passes
         return report
 
     # ------------------------------------------------------------------ Redis records

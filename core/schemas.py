@@ -183,6 +183,10 @@ class Job(BaseModel):
 
     id: str
     kind: JobKind = JobKind.train
+    project: str = Field(default="default", description="The project of the key that made it (a job made from "
+                                                        "another's checkpoint: that one's).")
+    priority: Literal["low", "normal", "high"] = Field(default="normal", description="Its place among its project's "
+                                                                                       "queued jobs (POST /jobs).")
     status: JobStatus
     model: str
     dataset: str
@@ -345,6 +349,7 @@ class AliasMove(BaseModel):
 
 class Alias(BaseModel):
     name: str
+    project: str = Field(default="default", description="Its project: a name is unique within one.")
     job_id: str
     model: str = Field(description="The target job's architecture.")
     previous_job_id: str | None = Field(default=None, description="Where a rollback goes.")

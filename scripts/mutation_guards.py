@@ -91,9 +91,9 @@ GUARDS: tuple[Guard, ...] = (
           'if not isinstance(doc, dict) or not isinstance(doc.get("job"), str):',
           ("tests/core/kinds/test_idempotency.py",), "another body under a used Idempotency-Key was answered"),
     # ---------------------------------------------------------------- the front gate, archives, /predict
-    Guard("the API key is compared whole", "app/api/front.py",
-          "return hmac.compare_digest(given, self.key)  # constant time, whatever `given` is",
-          "return hmac.compare_digest(given[:len(self.key)], self.key)",
+    Guard("the API key is compared whole", "app/api/access.py",
+          "if hmac.compare_digest(given, self.key):  # constant time, whatever `given` is",
+          "if hmac.compare_digest(given[:len(self.key)], self.key):",
           ("tests/e2e/test_auth.py::test_every_route_needs_the_key",), "not 401, to a wrong or missing API key"),
     Guard("zip-slip: no '..' anywhere in an entry's path", "core/zip_safety.py",
           'if ".." in parts:', 'if parts[:1] == ("..",):',

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from core.errors import TorchyardError, Unavailable
+from core.errors import OverQuota, TorchyardError, Unavailable
 from core.schemas import JobKind
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def known_error_response(exc: Exception) -> JSONResponse | None:
     run outside FastAPI's routing and so outside its handlers."""
     if isinstance(exc, TorchyardError):
         headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
-        if isinstance(exc, Unavailable) and exc.retry_after_s is not None:
+        if isinstance(exc, Unavailable | OverQuota) and exc.retry_after_s is not None:
             headers = {"Retry-After": str(exc.retry_after_s)}
         return JSONResponse({"detail": exc.detail}, status_code=exc.status_code, headers=headers)
     if isinstance(exc, StarletteHTTPException):

@@ -9,7 +9,9 @@ is checked only once the whole body, however large, has been received. Here, in 
    ('*' there: any), on every bind, so a web page cannot reach the server through DNS rebinding.
 2. Origin (403): a browser's state-changing request (POST, PUT, PATCH, DELETE) from another
    origin is refused; the dashboard is same-origin; TORCHYARD_ALLOWED_ORIGINS adds others.
-3. API key (401 with `WWW-Authenticate: Bearer`), unless the route is open (ROUTES).
+3. API key (401 with `WWW-Authenticate: Bearer`), unless the route is open (ROUTES): the bootstrap
+   key or one from POST /keys (app/api/access.py); the caller goes into the scope for the routes'
+   role check, which the gate makes itself for the routes it serves (/predict, /v2: 403).
 4. Declared `Content-Length` against the route's cap (413), then the content type (415).
 5. The body as it streams: bytes counted against the cap (chunked bodies declare nothing; 413),
    and a deadline (408) of `body_timeout_s` plus one second per `min_body_rate` bytes received,
@@ -23,23 +25,24 @@ What uvicorn does not time out (slow headers) is handled in app/server.py.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
-import re
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
+from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.routing import Match, compile_path
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.access import PRINCIPAL, Auditor, KeyCheck, PredictRate, acting_for, check
+from app.api.origins import HostCheck, OriginCheck
+from core.access.keystore import Principal
+from core.access.projects import reset_acting, set_acting
 from core.config import Settings
+from core.errors import Forbidden, OverQuota, Unavailable
 
 JSON = frozenset({"application/json"})
 MULTIPART = frozenset({"multipart/form-data"})
-SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-LOCAL_HOST_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ def route_rules(settings: Settings) -> list[Rule]:
         Rule(frozenset({"POST"}), "/aliases/{name}/rollback",
              RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
         Rule(frozenset({"POST"}), "/sweeps", RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
+        Rule(frozenset({"POST"}), "/keys", RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
+        Rule(frozenset({"PUT"}), "/projects/{name}", RoutePolicy(max_body=settings.max_json_bytes, content_types=JSON)),
     ]
 
 
@@ -114,68 +119,6 @@ class RouteTable:
 
     def body_cap(self, policy: RoutePolicy) -> int:
         return min(self.ceiling, self.max_json if policy.max_body is None else policy.max_body)
-
-
-class HostCheck:
-    """DNS rebinding: a page on evil.example whose name now resolves to the server's address reaches
-    it with `Host: evil.example`. Only localhost names, the bind address and TORCHYARD_ALLOWED_HOSTS
-    are served, on any bind; '*' in that list, said explicitly, serves any Host. `torchyard api`
-    and `up` refuse to start beyond loopback without the list (app/server.unsafe_bind_refusal);
-    an app served some other way (`uvicorn app.main:create_app --factory --host 0.0.0.0`) skips
-    that check, and still serves no other name."""
-
-    def __init__(self, settings: Settings) -> None:
-        names = settings.allowed_host_names
-        self.enforced = "*" not in names
-        self.allowed = LOCAL_HOST_NAMES | {settings.host.strip("[]").lower()} | set(names)
-        self._seen: dict[bytes, bool] = {}
-
-    def allows(self, host: bytes | None) -> bool:
-        if not self.enforced or host is None:  # HTTP/1.0 without Host: no browser sends that
-            return True
-        known = self._seen.get(host)
-        if known is None:
-            name = _host_name(host.decode("latin-1"))
-            known = name in self.allowed or name.endswith(".localhost")  # *.localhost is loopback (RFC 6761)
-            if len(self._seen) < 256:  # the few names a server is called by; never a client-sized cache
-                self._seen[host] = known
-        return known
-
-
-def _host_name(host: str) -> str:
-    host = host.strip().lower()
-    if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host
-    if host.count(":") == 1:
-        host = host.split(":", 1)[0]
-    return host.rstrip(".")
-
-
-def _without_default_port(netloc: str) -> str:
-    return re.sub(r":(80|443)$", "", netloc.strip().lower())
-
-
-class OriginCheck:
-    """A browser sends `Origin` with every cross-origin (and same-origin) POST/PUT/PATCH/DELETE; a
-    request whose Origin is not this server's own (the Host it was sent to) nor an allowed origin
-    is refused, so a page elsewhere cannot submit jobs or uploads with a user's browser."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.allowed = set(settings.allowed_origin_list)
-
-    def allows(self, method: str, origin: bytes | None, host: bytes | None) -> bool:
-        if method in SAFE_METHODS or origin is None:
-            return True
-        value = origin.decode("latin-1").strip().lower().rstrip("/")
-        if value in self.allowed:
-            return True
-        if value == "null" or host is None:  # sandboxed frames, file:// pages
-            return False
-        try:
-            netloc = urlsplit(value).netloc
-        except ValueError:  # `http://[::1` and the like: not an origin, so not this server's
-            return False
-        return _without_default_port(netloc) == _without_default_port(host.decode("latin-1"))
 
 
 class BodyTooLarge(HTTPException):
@@ -232,7 +175,9 @@ class FrontGate:
         self.routes = RouteTable(settings)
         self.hosts = HostCheck(settings)
         self.origins = OriginCheck(settings)
-        self.key = settings.api_key.get_secret_value().encode() if settings.api_key else None
+        self.keys = KeyCheck(settings)
+        self.auditor = Auditor(settings)
+        self.predict_rate = PredictRate()
         self.body_timeout_s = settings.body_timeout_s
         self.min_body_rate = settings.min_body_rate
 
@@ -245,21 +190,40 @@ class FrontGate:
         cap = self.routes.body_cap(policy)
         direct = self.direct.get((scope["method"], scope["path"])) or self._subtree(scope["path"])
         key = direct.error_key if direct is not None else "detail"
+        principal, acting = None, None
         try:
-            self._judge(scope["method"], head, policy, cap)
+            self._judge_source(scope["method"], head)
+            if not policy.open:
+                principal = await self._identify(scope, head, direct)
+                acting = set_acting(acting_for(principal))  # whose objects it sees (core/access/projects.py)
+            self._judge_body(head, policy, cap)
         except _Refusal as refusal:
             _label_route(scope)
             await _reply(send, refusal.status, refusal.detail, close=head.has_body, headers=refusal.headers, key=key)
+            who = scope.get(PRINCIPAL)  # set once the key was known: a 403 of the gate's is audited too
+            if isinstance(who, Principal) and refusal.status == 403:
+                await self.auditor.record(_redis(scope), scope, who, 403, None)
+            if acting is not None:
+                reset_acting(acting)
             return
+        try:
+            await self._serve(scope, receive, send, head, cap, direct, key, principal)
+        finally:
+            if acting is not None:
+                reset_acting(acting)
 
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, head: _Head, cap: int,
+                     direct: DirectRoute | None, key: str, principal: Principal | None) -> None:
         guard = _BodyGuard(receive, cap, self.body_timeout_s, self.min_body_rate)
         started = False
+        answered: dict[str, Any] = {}
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
                 headers = message.get("headers", [])
+                answered.update(status=message["status"], headers=headers)
                 if head.has_body and not guard.done and not any(name.lower() == b"connection" for name, _ in headers):
                     # Answered before the body was read (an error mid-upload): close the connection,
                     # or uvicorn reads and discards the rest of the body to reach the next request.
@@ -275,6 +239,10 @@ class FrontGate:
             if started:
                 raise
             await _reply(send, exc.status_code, exc.detail, close=True, key=key)
+            answered.update(status=exc.status_code, headers=[])
+        if principal is not None and answered and self.auditor.wanted(scope["method"], scope["path"], answered["status"]):
+            location = next((v.decode("latin-1") for n, v in answered["headers"] if n.lower() == b"location"), None)
+            await self.auditor.record(_redis(scope), scope, principal, answered["status"], location)
 
     def _subtree(self, path: str) -> DirectRoute | None:
         for route in self.subtrees:
@@ -282,16 +250,37 @@ class FrontGate:
                 return route
         return None
 
-    def _judge(self, method: str, head: _Head, policy: RoutePolicy, cap: int) -> None:
+    def _judge_source(self, method: str, head: _Head) -> None:
         if not self.hosts.allows(head.host):
             raise _Refusal(400, f"Host {head.text('host')!r} is not served here: only localhost names and "
                                 f"TORCHYARD_ALLOWED_HOSTS (DNS-rebinding guard)")
         if not self.origins.allows(method, head.origin, head.host):
             raise _Refusal(403, f"cross-origin request refused: Origin {head.text('origin')!r} is not this server; "
                                 f"add it to TORCHYARD_ALLOWED_ORIGINS to allow it")
-        if self.key is not None and not policy.open and not self._key_matches(head.authorization):
-            raise _Refusal(401, "missing or wrong API key: send `Authorization: Bearer <TORCHYARD_API_KEY>`",
-                           ((b"www-authenticate", b"Bearer"),))
+
+    async def _identify(self, scope: Scope, head: _Head, direct: DirectRoute | None) -> Principal:
+        """The caller (401 for no key, a wrong, expired or revoked one), put in the scope for the
+        routes; the routes the gate serves itself get their role checked here too (403)."""
+        try:
+            principal = await self.keys.principal(head.authorization, lambda: scope["app"].state.services.aredis)
+        except Unavailable as exc:
+            raise _Refusal(503, exc.detail, ((b"retry-after", b"2"),)) from exc
+        if principal is None:
+            raise _Refusal(401, "missing, wrong, expired or revoked API key: send `Authorization: Bearer <key>` "
+                                "(TORCHYARD_API_KEY, or a key from POST /keys)", ((b"www-authenticate", b"Bearer"),))
+        scope[PRINCIPAL] = principal
+        if direct is not None:
+            try:
+                check(principal, scope["method"], scope["path"])
+                if scope["method"] == "POST":  # a prediction: its project's predict_per_second
+                    await self.predict_rate.admit(acting_for(principal).home, scope["app"].state.services.aredis)
+            except Forbidden as exc:
+                raise _Refusal(403, exc.detail) from exc
+            except OverQuota as exc:
+                raise _Refusal(429, exc.detail, ((b"retry-after", b"1"),)) from exc
+        return principal
+
+    def _judge_body(self, head: _Head, policy: RoutePolicy, cap: int) -> None:
         if head.content_length is not None:
             if not head.content_length.isdigit():
                 raise _Refusal(400, "Content-Length is not a number")
@@ -302,11 +291,11 @@ class FrontGate:
             raise _Refusal(415, f"Content-Type {head.text('content-type') or '(none)'!r} is not accepted here; "
                                 f"send {wanted}")
 
-    def _key_matches(self, authorization: bytes | None) -> bool:
-        scheme, _, token = (authorization or b"").strip().partition(b" ")
-        given = token.strip() if scheme.lower() == b"bearer" else b""
-        assert self.key is not None
-        return hmac.compare_digest(given, self.key)  # constant time, whatever `given` is
+
+def _redis(scope: Scope) -> Any:
+    """The app's asyncio Redis client (the audit log's), or None before the lifespan built it."""
+    services = getattr(getattr(scope.get("app"), "state", None), "services", None)
+    return getattr(services, "aredis", None)
 
 
 def _type_allowed(content_type: bytes | None, allowed: frozenset[str]) -> bool:

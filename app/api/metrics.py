@@ -30,6 +30,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from core import keys
+from core.access.projects import project_of, visible
 from core.devices import SERVING, DeviceRegistry
 from core.queue import SHARED_TRAIN_QUEUES, queue_for_device
 from core.schemas import Device, JobStatus
@@ -99,7 +100,7 @@ class ClusterCollector(Collector):
             pipe.zcard(keys.jobs_with_status(status.value))
         running_ids = client.zrange(keys.jobs_with_status(JobStatus.running.value), 0, -1)
         for job_id in running_ids:
-            pipe.hmget(keys.job(job_id), "model", "device", "metrics")
+            pipe.hmget(keys.job(job_id), "model", "device", "metrics", "project")
         replies = pipe.execute()
 
         n_prio = len(keys.KOMBU_PRIORITY_SUFFIXES)
@@ -126,9 +127,9 @@ class ClusterCollector(Collector):
         throughput = GaugeMetricFamily("torchyard_job_images_per_second",
                                        "training throughput of a running job (its last finished epoch)",
                                        labels=["job", "model", "device"])
-        for job_id, (model, device, metrics) in zip(running_ids, replies[offset:], strict=True):
+        for job_id, (model, device, metrics, project) in zip(running_ids, replies[offset:], strict=True):
             history = json.loads(metrics or "[]")
-            if history:
+            if history and visible(project_of(project)):  # another project's job has no series for this key
                 throughput.add_metric([job_id, model or "", device or ""], history[-1].get("images_per_second", 0))
         yield throughput
 

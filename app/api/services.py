@@ -9,6 +9,8 @@ import redis.asyncio as aioredis
 
 from app.api.oip.service import OpenInference
 from app.api.serving.engine import PredictionClient
+from core.access.keystore import KeyStore
+from core.access.quotas import Quotas
 from core.aliases import AliasService, AliasStore, job_is_aliased
 from core.config import Settings
 from core.datasets import DatasetCatalog
@@ -47,6 +49,8 @@ class Services:
     batch_predictions: BatchPredictions
     oip: OpenInference  # the Open Inference Protocol (/v2), on the predictions' engine
     sweeps: SweepCoordinator
+    access_keys: KeyStore  # API keys (core/access/); the gate reads their records itself
+    quotas: Quotas  # projects' quotas, checked by the job store and the catalog before they create
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -57,6 +61,8 @@ class Services:
                         max_attempts=settings.max_attempts, dispatch_grace_s=settings.dispatch_grace_s)
         devices = DeviceRegistry(client, settings.heartbeat_ttl_s)
         datasets = DatasetCatalog(client, settings, jobs)
+        quotas = Quotas(client)
+        jobs.admit, datasets.admit = quotas.admit_job, quotas.admit_upload
         predictions = PredictionClient(aclient, settings)
         aliases = AliasService(AliasStore(client), ModelPreloader(client, devices, settings.alias_warm_timeout_s))
         deletion = JobDeletion(jobs, CheckpointPaths(settings.checkpoints_dir))
@@ -72,7 +78,8 @@ class Services:
                    batch_predictions=BatchPredictions(jobs, datasets, devices, settings),
                    oip=OpenInference.build(predictions, settings),
                    sweeps=SweepCoordinator(SweepRecords(client), jobs, JobSubmission(jobs, datasets, devices, settings),
-                                           devices, url))
+                                           devices, url),
+                   access_keys=KeyStore(client), quotas=quotas)
 
     async def close(self) -> None:
         await self.predictions.close()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from client.commands import aliases, catalog, files, jobs, predict, sweeps
+from client.commands import aliases, catalog, files, jobs, keys, predict, projects, sweeps
 from client.commands.base import (
     CONNECTION_OPTIONS,
     Handler,
@@ -26,7 +26,7 @@ __all__ = ["CONNECTION_OPTIONS", "add_client_commands", "add_connection_options"
 
 def add_client_commands(sub: argparse._SubParsersAction) -> None:
     """Register devices, models, datasets, train, evaluate, jobs, job, cancel, predict, predict-folder,
-    alias, export, checkpoint, sweep and sweeps."""
+    alias, export, checkpoint, sweep, sweeps, keys and projects."""
     common = connection_options()
 
     def command(name: str, handler: Handler, help_: str,
@@ -46,3 +46,5 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:
     aliases.register(command, group)
     files.register(command)
     sweeps.register(command)
+    keys.register(command, group)
+    projects.register(command, group)

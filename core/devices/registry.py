@@ -15,6 +15,7 @@ from typing import Any
 import redis
 
 from core import keys
+from core.access.projects import acting, project_of, visible
 from core.devices.slots import slot_states
 from core.errors import DeviceInUse, InvalidInput
 from core.gangs.policy import waiting_note
@@ -141,6 +142,21 @@ class DeviceRegistry:
         pipe = self.redis.pipeline()
         liveness_reads(pipe, ids)
         return devices_from_replies(pipe.execute())
+
+    def seen(self) -> list[Device]:
+        """Every device as the request's project may see it (core/access/projects.py): all of them,
+        but another project's job on one only as its status ("busy"), not its id, and none of the
+        other projects' models resident on it."""
+        devices = self.all()
+        if acting().sees is None:
+            return devices
+        ids = sorted({j for d in devices for j in (d.current_job, *d.loaded_models) if j})
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hget(keys.job(job_id), "project")
+        mine = {job_id for job_id, p in zip(ids, pipe.execute(), strict=True) if visible(project_of(p))}
+        return [d.model_copy(update={"current_job": d.current_job if d.current_job in mine else None,
+                                     "loaded_models": [m for m in d.loaded_models if m in mine]}) for d in devices]
 
     def live(self) -> list[Device]:
         return [d for d in self.all() if d.status in SERVING]

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import redis
 
 from core import keys
+from core.access.projects import home, project_of
 from core.clock import redis_now, seconds_from_time_reply, utc_now_iso
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs.records import JobStoreBase, new_job_id, new_token
@@ -88,7 +89,11 @@ class Intake(JobStoreBase):
         `tags` are written into the record as they are (a sweep's trial: `sweep_id`, `trial`)."""
         if idempotency_key is not None and len(idempotency_key) > MAX_IDEMPOTENCY_KEY:
             raise InvalidInput(f"Idempotency-Key is longer than {MAX_IDEMPOTENCY_KEY} characters")
-        idem_key = keys.idempotency(idempotency_key) if idempotency_key else None
+        # Whose job: a job made from another's checkpoint (an evaluation, an export, a fine-tune) is
+        # that one's project's; else the tag's (a sweep's trial), else the request's (core/access/projects.py).
+        project = (project_of(self.redis.hget(keys.job(depends_on), "project")) if depends_on
+                   else (tags or {}).get("project") or home())
+        idem_key = keys.idempotency(idempotency_key, project) if idempotency_key else None
         stored = params.model_dump(mode="json")
         fingerprint = request_fingerprint(params.kind, model, dataset, stored, requested_device)
         queue = queue_for_device(requested_device, params.gang_size)  # a gang's: core/gangs/
@@ -98,7 +103,7 @@ class Intake(JobStoreBase):
             "dataset": dataset, "params": json.dumps(stored), "requested_device": requested_device, "queue": queue,
             "progress": json.dumps(Progress(epochs=params.total_epochs).model_dump()),
             "metrics": "[]", "attempts": 0, "created_at": utc_now_iso(), "delivery": token,
-            "message": f"waiting for a worker on queue {queue}", **(tags or {}),
+            "message": f"waiting for a worker on queue {queue}", **(tags or {}), "project": project,
         }
         earlier: list[str] = []
         source = keys.job(depends_on) if depends_on else None
@@ -119,6 +124,8 @@ class Intake(JobStoreBase):
                         return
             if source and not pipe.exists(source):
                 raise NotFound(f"job {depends_on} was deleted while this request was checked; nothing was created")
+            if self.admit is not None:  # a retry of a created job was answered above: only a new job counts
+                self.admit(project)
             now = seconds_from_time_reply(pipe.time()) if watched else redis_now(self.redis)
             pipe.multi()
             pipe.hset(keys.job(job_id), mapping=record)
@@ -151,7 +158,7 @@ class Intake(JobStoreBase):
         the first request was checked against changed (its dataset deleted, its parent job gone)."""
         if not idempotency_key or len(idempotency_key) > MAX_IDEMPOTENCY_KEY:
             return None
-        raw = self.redis.get(keys.idempotency(idempotency_key))
+        raw = self.redis.get(keys.idempotency(idempotency_key, home()))
         try:
             doc = json.loads(raw) if raw else None
         except ValueError:
@@ -166,6 +173,7 @@ class Intake(JobStoreBase):
     def request_cancel(self, job_id: str) -> Job:
         """Cancel: a queued job ends at once; a running one stops at its next step."""
         key = keys.job(job_id)
+        self.get(job_id)  # 404 for a job of another project (core/access/projects.py)
 
         def txn(pipe: redis.client.Pipeline) -> None:
             raw_status = pipe.hget(key, "status")

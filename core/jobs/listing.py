@@ -13,6 +13,7 @@ from datetime import datetime
 import redis
 
 from core import keys
+from core.access.projects import project_of, visible
 from core.errors import Conflict, NotFound
 from core.jobs.records import JobStoreBase, decode_record, job_id_floor
 from core.schemas import Job, JobList, JobStatus
@@ -28,16 +29,24 @@ class Listing(JobStoreBase):
     def page(self, status: JobStatus | None = None, limit: int = 50, cursor: str | None = None) -> JobList:
         """Newest first. The cursor is the last id of the previous page (ids sort by time)."""
         index = keys.jobs_with_status(status.value) if status else keys.JOBS_INDEX
-        upper = f"({cursor}" if cursor else "+"
         if cursor:
             validate_id(cursor, "cursor")
-        ids = self.redis.zrevrangebylex(index, upper, "-", start=0, num=limit + 1)
-        page, more = ids[:limit], len(ids) > limit
-        pipe = self.redis.pipeline()
-        for job_id in page:
-            pipe.hgetall(keys.job(job_id))
-        jobs = [Job.model_validate(decode_record(raw)) for raw in pipe.execute() if raw]
-        return JobList(jobs=jobs, next_cursor=page[-1] if more and page else None)
+        jobs: list[Job] = []
+        # The indexes hold every project's jobs: read in batches past those the request may not
+        # see (core/access/projects.py) until the page is full or the index ends.
+        while len(jobs) <= limit:
+            upper = f"({cursor}" if cursor else "+"
+            ids = self.redis.zrevrangebylex(index, upper, "-", start=0, num=max(limit + 1, 100))
+            pipe = self.redis.pipeline()
+            for job_id in ids:
+                pipe.hgetall(keys.job(job_id))
+            jobs += [Job.model_validate(decode_record(raw)) for raw in pipe.execute()
+                     if raw and visible(project_of(raw.get("project")))]
+            if len(ids) < max(limit + 1, 100):
+                break
+            cursor = ids[-1]
+        page, more = jobs[:limit], len(jobs) > limit
+        return JobList(jobs=page, next_cursor=page[-1].id if more and page else None)
 
     def active_job_on_dataset(self, dataset_id: str) -> str | None:
         """A queued or running job that trains on `dataset_id` (its files must stay), if any."""

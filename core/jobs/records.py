@@ -11,11 +11,13 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
 
 from core import keys
+from core.access.projects import project_of, visible
 from core.errors import NotFound
 from core.queue import Dispatch, TrainDelivery
 from core.schemas import Job, JobStatus
@@ -83,6 +85,9 @@ class JobStoreBase:
         # How long a sent message may go unclaimed before the reconciler looks for it: about a
         # lease TTL, so a lost message is re-sent within about a lease TTL.
         self.dispatch_grace_s = lease_ttl_s if dispatch_grace_s is None else dispatch_grace_s
+        # A project's quota check before a job is created (core/access/quotas.py; the API sets it:
+        # OverQuota refuses); None: none (a worker's store, a test's).
+        self.admit: Callable[[str], None] | None = None
 
     def get(self, job_id: str) -> Job:
         return Job.model_validate(decode_record(self._raw(job_id)))
@@ -93,7 +98,7 @@ class JobStoreBase:
     def _raw(self, job_id: str) -> dict[str, str]:
         validate_id(job_id, "job id")
         raw = self.redis.hgetall(keys.job(job_id))
-        if not raw:
+        if not raw or not visible(project_of(raw.get("project"))):  # another project's: not there for it
             raise NotFound(f"job {job_id} not found")
         return raw
 

@@ -22,6 +22,7 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
+from core.access.projects import acting_as, home, project_of
 from core.devices import DeviceRegistry
 from core.errors import Conflict, InvalidInput, NotFound
 from core.jobs import JobStore
@@ -72,7 +73,8 @@ class SweepCoordinator:
         check_sweep(spec)
         self.submission.check(spec.base)  # the base as POST /jobs would judge it
         parallel = spec.parallel or self._live_devices(spec.base.device)
-        sweep_id, created = self.records.create({"spec": body, "parallel": str(parallel)}, idempotency_key, digest)
+        sweep_id, created = self.records.create({"spec": body, "parallel": str(parallel), "project": home()},
+                                                idempotency_key, digest)
         if created:
             self._advance_now(sweep_id)
         return self.get(sweep_id), created
@@ -115,7 +117,7 @@ class SweepCoordinator:
         if scored:
             pick = max if spec.resolved_direction == "maximize" else min
             best = pick(scored, key=lambda t: t.value if t.value is not None else 0.0)
-        return Sweep(id=sweep_id, status=raw["status"], created_at=raw["created_at"],
+        return Sweep(id=sweep_id, project=project_of(raw.get("project")), status=raw["status"], created_at=raw["created_at"],
                      finished_at=raw.get("finished_at") or None, message=raw.get("message") or None,
                      spec=json.loads(raw["spec"]), parallel=int(raw["parallel"]), trials=trials, best=best,
                      importances=json.loads(raw["importances"]) if raw.get("importances") else None)
@@ -145,7 +147,13 @@ class SweepCoordinator:
     def advance(self, sweep_id: str) -> None:
         """Tell the trials whose jobs ended, ask for new ones up to `parallel` running and `trials` in
         all, and end the sweep once every trial was told. Idempotent; one process at a time."""
-        with self.records.lock(sweep_id) as lock:
+        # The tick acts for no project: a sweep's step acts in the sweep's, so its trials' jobs are
+        # that project's and read that project's datasets (core/access/projects.py).
+        try:
+            project = project_of(self.records.get(sweep_id).get("project"))
+        except NotFound:  # deleted meanwhile: nothing to step
+            return
+        with self.records.lock(sweep_id) as lock, acting_as(project):
             if lock is not None:
                 self._advance(sweep_id, lock)
 

@@ -15,6 +15,7 @@ from typing import Any
 import redis
 
 from core import keys
+from core.access.projects import home, project_of, visible
 from core.clock import utc_now_iso
 from core.errors import Conflict, InvalidInput, NotFound
 from core.storage import validate_id
@@ -46,7 +47,7 @@ class SweepRecords:
     def create(self, record: dict[str, str], idempotency_key: str | None, body_digest: str) -> tuple[str, bool]:
         """(sweep id, created): the record, its indexes, its first event and its Idempotency-Key in one
         transaction; the same key and body again give the first sweep, another body a 422."""
-        idem = keys.sweep_idempotency(idempotency_key) if idempotency_key else None
+        idem = keys.sweep_idempotency(idempotency_key, record["project"]) if idempotency_key else None
         sweep_id = new_sweep_id()
         earlier: list[str] = []
 
@@ -84,7 +85,7 @@ class SweepRecords:
         looked up before the request is checked again (a retry gets its sweep whatever changed since)."""
         if not idempotency_key:
             return None
-        raw = self.redis.get(keys.sweep_idempotency(idempotency_key))
+        raw = self.redis.get(keys.sweep_idempotency(idempotency_key, home()))
         doc = json.loads(raw) if raw else None
         if not isinstance(doc, dict) or doc.get("body") != body_digest:
             return None
@@ -93,7 +94,7 @@ class SweepRecords:
     def get(self, sweep_id: str) -> dict[str, str]:
         validate_id(sweep_id, "sweep id")
         raw = self.redis.hgetall(keys.sweep(sweep_id))
-        if not raw:
+        if not raw or not visible(project_of(raw.get("project"))):  # another project's: not there for it
             raise NotFound(f"sweep {sweep_id} not found")
         return raw
 
@@ -109,8 +110,13 @@ class SweepRecords:
         return jobs, errors
 
     def page(self, limit: int) -> list[str]:
-        """The newest sweeps' ids, newest first."""
-        return list(self.redis.zrevrange(keys.SWEEPS_INDEX, 0, limit - 1))
+        """The newest sweeps' ids the request may see (core/access/projects.py), newest first."""
+        ids = list(self.redis.zrevrange(keys.SWEEPS_INDEX, 0, -1))
+        with self.redis.pipeline(transaction=False) as pipe:
+            for sweep_id in ids:
+                pipe.hget(keys.sweep(sweep_id), "project")
+            projects = pipe.execute()
+        return [i for i, p in zip(ids, projects, strict=True) if visible(project_of(p))][:limit]
 
     def active(self) -> list[str]:
         return sorted(self.redis.smembers(keys.SWEEPS_ACTIVE))
@@ -137,6 +143,7 @@ class SweepRecords:
     def mark_cancelled(self, sweep_id: str) -> None:
         """Cancelled now (its running trials are stopped next); it stays active until they are told."""
         key = keys.sweep(sweep_id)
+        self.get(sweep_id)  # 404 for another project's
 
         def txn(pipe: redis.client.Pipeline) -> None:
             status = pipe.hget(key, "status")

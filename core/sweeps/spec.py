@@ -204,6 +204,7 @@ class SweepTrial(BaseModel):
 
 class Sweep(BaseModel):
     id: str
+    project: str = Field(default="default", description="The project of the key that started it.")
     status: SweepStatus
     created_at: datetime
     finished_at: datetime | None = None

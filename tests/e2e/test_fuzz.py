@@ -77,3 +77,55 @@ def test_no_server_errors(operation, mode: GenerationMode, fuzz_api: str) -> Non
         assert mode is GenerationMode.NEGATIVE
         return
     assert seen
+
+
+# ---------------------------------------------------------------------------------------------
+# The same property with several keys (#38): a trainer, a predictor and a viewer of a project other
+# than "default", so the role table's refusals and the projects' reads meet generated input too.
+KEYED_ROLES = ("trainer", "predictor", "viewer")
+KEYED_EXAMPLES = max(1, EXAMPLES // 2)
+
+
+@pytest.fixture(scope="module")
+def keyed_fuzz_api(redis_base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict]]:
+    """An API with the bootstrap key and a key of each role in project `fuzz`, no worker (database 11:
+    the unkeyed API of this module is alive at the same time on 15)."""
+    import httpx
+
+    data_dir: Path = tmp_path_factory.mktemp("fuzz-keyed")
+    url = with_db(redis_base_url, 11)
+    flush(url)
+    key = "fuzz-bootstrap-admin-key"
+    procs = Processes(url, data_dir, data_dir / "logs", TORCHYARD_API_KEY=key,
+                      TORCHYARD_MAX_UPLOAD_BYTES=str(8 << 20))
+    try:
+        base = procs.ready_api()
+        secrets = {role: httpx.post(f"{base}/keys", headers={"Authorization": f"Bearer {key}"},
+                                    json={"name": f"fuzz-{role}", "role": role, "project": "fuzz"}).json()["secret"]
+                   for role in KEYED_ROLES}
+        yield base, secrets
+    finally:
+        procs.stop_all()
+        flush(url)
+
+
+@pytest.mark.parametrize("role", KEYED_ROLES)
+@pytest.mark.parametrize("operation", OPERATIONS, ids=[op.label for op in OPERATIONS])
+def test_no_server_errors_with_keys(operation, role: str, keyed_fuzz_api: tuple[str, dict]) -> None:
+    base, secrets = keyed_fuzz_api
+    seen: list[str] = []
+
+    @given(case=operation.as_strategy(generation_mode=GenerationMode.POSITIVE))
+    @settings(max_examples=KEYED_EXAMPLES, deadline=None, derandomize=not RANDOM, database=None,
+              suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate, Phase.shrink])
+    def fuzz(case) -> None:
+        response = case.call(base_url=base, timeout=30, headers={"Authorization": f"Bearer {secrets[role]}"})
+        seen.append(str(response.status_code))
+        if operation.path == "/readyz" and response.status_code == 503:
+            return
+        assert response.status_code < 500, (f"{role}: {case.method} {case.formatted_path} -> {response.status_code}: "
+                                            f"{response.text[:500]}\nreproduce: {case.as_curl_command()}")
+        assert response.status_code != 401, response.text[:300]  # a valid key is never refused as unknown
+
+    fuzz()
+    assert seen

@@ -2,7 +2,9 @@
 weights as a version of the registered model `{name}` (once per job: the version is found again by
 its run) and points the model's MLflow alias `current` at it; a rollback moves `current` back to
 the earlier job's version. Deleting a torchyard alias leaves the registry as it is (its versions
-are the history; `current` keeps naming the last target).
+are the history; `current` keeps naming the last target). An alias of a project other than
+"default" (stored `<project>:<name>`, core/access/projects.py) is the registered model
+`<project>+<name>`: MLflow refuses ':' in a name, and '+' is in no alias name, so no two meet.
 
 Nothing is queued for this by the API: `ty:aliases` (core/aliases.py) is what `current` must match,
 and `ty:mlflow:aliases` what it was last set to; the tracking thread registers the difference.
@@ -59,7 +61,8 @@ class AliasSync:
             if self.redis.get(ALIASES_LOCK) == self.token:
                 self.redis.delete(ALIASES_LOCK)
 
-    def _sync_one(self, name: str, job_id: str) -> None:
+    def _sync_one(self, stored: str, job_id: str) -> None:
+        name = registered_name(stored)
         run = read_run_field(self.redis.hget(keys.job(job_id), RECORD_FIELD))
         if run is None or not run.run_id or run.status != "FINISHED":  # its weights not logged yet
             if self.redis.exists(keys.job(job_id)):
@@ -67,7 +70,7 @@ class AliasSync:
             return
         version = self._version_of(name, run.run_id) or self._register(name, job_id, run.run_id)
         self.mlflow.set_registered_model_alias(name, ALIAS, version)
-        self.redis.hset(SYNCED_ALIASES, name, job_id)
+        self.redis.hset(SYNCED_ALIASES, stored, job_id)
         log.info("mlflow registry: %s@%s is version %s (job %s)", name, ALIAS, version, job_id)
 
     def _version_of(self, name: str, run_id: str) -> str | None:
@@ -87,3 +90,8 @@ class AliasSync:
                 raise
         source = f"{self.mlflow.get_run(run_id).info.artifact_uri}/model"
         return str(self.mlflow.create_model_version(name, source, run_id=run_id, tags={JOB_TAG: job_id}).version)
+
+
+def registered_name(stored: str) -> str:
+    """The MLflow registered model of a stored alias name: the name itself in "default"."""
+    return stored.replace(":", "+", 1)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from core import keys
+from core.access.projects import Acting, acting, home, project_of, scoped_name, unscoped_name, visible
 from core.errors import NotFound
 from core.jobs.records import decode_record
 from core.kinds import TrainingParams
@@ -43,6 +44,7 @@ class ModelInfo:
     classes: tuple[str, ...]
     shape: tuple[int, int, int]  # (C, H, W) of INPUT__0
     ready: bool  # succeeded when it was read (a job's status is re-checked by each request's queueing)
+    project: str = "default"  # whose: another project's job is no model for a request (core/access/projects.py)
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,8 @@ class ModelCatalog:
     def __init__(self, client: aioredis.Redis) -> None:
         self.redis = client
         self._jobs: OrderedDict[str, ModelInfo] = OrderedDict()  # succeeded training jobs only
-        self._resolved: dict[tuple[str, str | None], tuple[float, ModelRef]] = {}  # (name, version) → (when, ref)
+        # (whose view, name, version) → (when, ref): a name means another model in another project
+        self._resolved: dict[tuple[Acting, str, str | None], tuple[float, ModelRef]] = {}
 
     async def resolve(self, name: str, version: str | None = None) -> ModelRef:
         """`name` (and `version`, when given) as a model; 404 when it is none. Remembered for
@@ -74,19 +77,20 @@ class ModelCatalog:
         right when an alias moves meanwhile (the request goes by the alias, which the engine resolves
         when it queues it; only the version number reported may lag by that long)."""
         now = time.monotonic()
-        known = self._resolved.get((name, version))
+        key = (acting(), name, version)
+        known = self._resolved.get(key)
         if known is not None and now - known[0] < RESOLVED_S:
             return known[1]
         ref = await self._resolve(name, version)
         if len(self._resolved) >= CACHED_JOBS:
             self._resolved.clear()
-        self._resolved[(name, version)] = (now, ref)
+        self._resolved[key] = (now, ref)
         return ref
 
     async def _resolve(self, name: str, version: str | None) -> ModelRef:
-        target = await self.redis.hget(keys.ALIASES, name) if len(name) <= 64 else None
+        target = await self.redis.hget(keys.ALIASES, scoped_name(name)) if len(name) <= 64 else None
         if target is not None:
-            versions = await self._alias_versions(name, target)
+            versions = await self._alias_versions(scoped_name(name), target)
             if version is None:
                 return ModelRef(name, versions, str(versions.index(target) + 1), await self.job(target), name)
             job_id = self._pick(name, versions, version)
@@ -102,9 +106,9 @@ class ModelCatalog:
             raise NotFound(f"model {name!r} has no version {version[:40]!r}; its versions are 1 to {len(versions)}")
         return versions[int(version) - 1]
 
-    async def _alias_versions(self, name: str, target: str) -> tuple[str, ...]:
+    async def _alias_versions(self, stored: str, target: str) -> tuple[str, ...]:
         seen: dict[str, None] = {}
-        for raw in await self.redis.lrange(keys.alias_history(name), 0, -1):
+        for raw in await self.redis.lrange(keys.alias_history(stored), 0, -1):
             job_id = json.loads(raw).get("to_job_id")
             if job_id:
                 seen.setdefault(job_id, None)
@@ -113,17 +117,19 @@ class ModelCatalog:
 
     async def job(self, job_id: str, unknown: str | None = None) -> ModelInfo:
         """The training job `job_id` as a model (cached once it succeeded); 404 for any other kind."""
+        missing = unknown or f"job {job_id} not found"
         cached = self._jobs.get(job_id)
         if cached is not None:
             self._jobs.move_to_end(job_id)
+            if not visible(cached.project):
+                raise NotFound(missing)
             return cached
-        missing = unknown or f"job {job_id} not found"
         try:
             validate_id(job_id, "model")
         except Exception:
             raise NotFound(missing) from None
         raw = await self.redis.hgetall(keys.job(job_id))
-        if not raw:
+        if not raw or not visible(project_of(raw.get("project"))):
             raise NotFound(missing)
         job = Job.model_validate(decode_record(raw))
         if job.kind != JobKind.train:
@@ -131,7 +137,7 @@ class ModelCatalog:
         params = TrainingParams.of(job)
         assert isinstance(params, TrainingParams)
         info = ModelInfo(job.id, job.model, tuple(job.classes or ()), params.input_for(job.model),
-                         job.status == JobStatus.succeeded)
+                         job.status == JobStatus.succeeded, job.project)
         if info.ready and info.classes:
             self._jobs[job_id] = info
             while len(self._jobs) > CACHED_JOBS:
@@ -141,7 +147,10 @@ class ModelCatalog:
     async def index(self, limit: int = 1000) -> list[tuple[str, str, bool]]:
         """(name, version, ready) of every alias, then the newest succeeded training jobs: the repository."""
         entries: list[tuple[str, str, bool]] = []
-        for name, target in sorted((await self.redis.hgetall(keys.ALIASES)).items()):
+        for stored, target in sorted((await self.redis.hgetall(keys.ALIASES)).items()):
+            project, name = unscoped_name(stored)
+            if not visible(project) or project != home():
+                continue  # another project's (an admin names aliases of its own project, or ?project='s)
             ref = await self.resolve(name)
             entries.append((name, ref.version_of(target), ref.info.ready))
         for job_id in await self.redis.zrevrange(keys.jobs_with_status(JobStatus.succeeded.value), 0, limit - 1):

@@ -29,7 +29,8 @@ _BODY = {"required": True, "content": {"multipart/form-data": {"schema": {
 @router.post("/datasets", status_code=201, response_model=DatasetRecord, openapi_extra={"requestBody": _BODY},
              responses={413: {"description": "over a size limit"}, 415: {"description": "not a zip"},
                         409: {"description": "the name is taken (the detail names the dataset that has it)"},
-                        422: {"description": "malformed form or unusable archive"}})
+                        422: {"description": "malformed form or unusable archive"},
+                        429: {"description": "the project's dataset_bytes quota would be passed"}})
 async def upload_dataset(services: ServicesDep, request: Request) -> DatasetRecord:
     """Upload an ImageFolder zip (`<class>/<image>`), or with `labels=none` a zip of unlabelled images at
     any depth; unreadable images are skipped and listed."""

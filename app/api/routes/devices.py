@@ -10,5 +10,6 @@ router = APIRouter(tags=["devices"])
 
 @router.get("/devices", response_model=DeviceList)
 def list_devices(services: ServicesDep) -> DeviceList:
-    """Every device a live worker holds, from heartbeats; recently seen ones as offline."""
-    return DeviceList(devices=services.devices.all())
+    """Every device a live worker holds, from heartbeats; recently seen ones as offline. Another
+    project's job on a device shows only as the device's status (`busy`): no id, no resident models."""
+    return DeviceList(devices=services.devices.seen())

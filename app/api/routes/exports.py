@@ -21,6 +21,8 @@ router = APIRouter(tags=["exports"])
                                                           "after Retry-After seconds"},
                        404: {"description": "no such job"}, 409: {"description": "not a succeeded training job"},
                        422: {"description": "bad format, or the export failed (e.g. parity); retry=true rebuilds"},
+                       429: {"description": "building it needs a job, and the project's queued_jobs quota is "
+                                            "reached (Retry-After)"},
                        501: {"description": "the worker that built it lacks the `export` extra"}})
 def export_model(services: ServicesDep, job_id: str,
                  fmt: Annotated[ExportFormat, Query(alias="format", description="torchscript or onnx")],

@@ -31,6 +31,7 @@ _BODY = {"required": True, "content": {"multipart/form-data": {"schema": {
              responses={404: {"description": "no such job or alias"}, 409: {"description": "job not succeeded"},
                         413: {"description": "too large (bytes, pixels or images per request)"},
                         415: {"description": "not an image"}, 422: {"description": "malformed form"},
+                        429: {"description": "the project's predict_per_second quota (Retry-After)"},
                         503: {"description": "no live worker answered, or the API holds too many images in "
                                              "flight (with Retry-After)"}})
 async def predict(services: ServicesDep, request: Request) -> Response:

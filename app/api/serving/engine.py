@@ -46,6 +46,7 @@ from app.api.serving.intake import Intake, PredictCall
 from app.api.serving.replies import ReplyInbox
 from app.api.serving.transport import MOVED, NOT_A_MODEL, Transport
 from core import keys
+from core.access.projects import acting, project_of, scoped_name
 from core.config import Settings
 from core.errors import Conflict, NotFound, TorchyardError, Unavailable
 from core.kind_words import job_phrase
@@ -77,6 +78,10 @@ class _InFlight:
     message: memoryview | None = None
     # (device id, worker instance) whose list it went to, or may have (its queueing's answer was lost); None: none
     holder: tuple[str, str] | None = None
+    # The one project whose jobs it may use ("": any; core/access/projects.py), and its alias's stored
+    # name: taken in the request's context, since a resend runs in the watcher's task.
+    project: str = ""
+    alias_key: str | None = None
 
 
 class PredictionClient:
@@ -110,7 +115,8 @@ class PredictionClient:
     async def predict(self, call: PredictCall) -> bytes:
         request_id, answer = self.inbox.expect(self.timeout_s)
         await self.live.read()  # Redis's clock is known from here on
-        flight = _InFlight(call, request_id, self.live.clock.now() + self.timeout_s, answer, len(call.form.buffer))
+        flight = _InFlight(call, request_id, self.live.clock.now() + self.timeout_s, answer, len(call.form.buffer),
+                           project=acting().sees or "", alias_key=scoped_name(call.alias) if call.alias else None)
         try:
             await self._send(flight)
             self._in_flight[request_id] = flight
@@ -148,7 +154,7 @@ class PredictionClient:
         """Queue `flight` on a live worker (its alias resolved anew); 404, 409 or 503 when it cannot be."""
         alias = flight.call.alias
         for _ in range(ALIAS_RESOLVE_TRIES):
-            job_id = await self._resolve(alias) if alias is not None else flight.call.job_id
+            job_id = await self._resolve(flight) if alias is not None else flight.call.job_id
             assert job_id is not None
             status = await self._queue(flight, job_id)
             if status != MOVED:
@@ -204,10 +210,10 @@ class PredictionClient:
         assert flight.holder is not None and flight.message is not None
         await self.transport.take_back(flight.holder[0], flight.message)
 
-    async def _resolve(self, alias: str) -> str:
-        job_id = await self.redis.hget(keys.ALIASES, alias)
+    async def _resolve(self, flight: _InFlight) -> str:
+        job_id = await self.redis.hget(keys.ALIASES, flight.alias_key)
         if job_id is None:
-            raise NotFound(f"alias {alias} not found")
+            raise NotFound(f"alias {flight.call.alias} not found")
         return job_id
 
     async def _queue(self, flight: _InFlight, job_id: str) -> str | None:
@@ -215,7 +221,10 @@ class PredictionClient:
         names it): the job's status or MOVED. Records where it went in `flight`."""
         live = await self.live.read()
         if not live:  # still say 404 / 409 first: they do not depend on a worker
-            status, kind, params = await self.redis.hmget(keys.job(job_id), ["status", "kind", "params"])
+            status, kind, params, project = await self.redis.hmget(keys.job(job_id),
+                                                                   ["status", "kind", "params", "project"])
+            if flight.project and project_of(project) != flight.project:
+                status = None  # another project's job: not there for this request
             if status == JobStatus.succeeded.value and kind not in (None, JobKind.train.value):
                 status = f"{NOT_A_MODEL}{kind} {params or ''}"
             self._check_status(job_id, status)
@@ -227,7 +236,7 @@ class PredictionClient:
         # connection), it may have run, and the watcher takes it back from there before sending it
         # again, rather than leave a second copy on a list.
         flight.holder = (device.id, self.live.holder(device.id) or "")
-        status = await self.transport.queue(device.id, job_id, message, flight.call.alias)
+        status = await self.transport.queue(device.id, job_id, message, flight.alias_key, flight.project)
         if status != JobStatus.succeeded.value:
             flight.holder = None  # not queued
         return status

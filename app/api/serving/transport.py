@@ -29,15 +29,19 @@ from core.schemas import JobStatus
 # A succeeded job of another kind (an evaluation, an export...) has no model to predict with: the
 # scripts answer this prefix, the job's kind and its params (which name the job it was made from).
 NOT_A_MODEL = "~not-a-model "
+# A job of another project than the request's (ARGV[{project}], '' for any) is no job for it: nil.
 _KIND_CHECK = """
-local job = redis.call('HMGET', KEYS[{job}], 'status', 'kind', 'params')
+local job = redis.call('HMGET', KEYS[{job}], 'status', 'kind', 'params', 'project')
+if ARGV[{project}] ~= '' and (job[4] or 'default') ~= ARGV[{project}] then
+  return nil
+end
 local status = job[1]
 if status == ARGV[{succeeded}] and job[2] and job[2] ~= 'train' then
   return '""" + NOT_A_MODEL + """' .. job[2] .. ' ' .. (job[3] or '')
 end
 """
 # Queue the request only if the job succeeded; return its status either way (nil: no such job).
-_QUEUE_IF_SUCCEEDED = _KIND_CHECK.format(job=1, succeeded=1) + """
+_QUEUE_IF_SUCCEEDED = _KIND_CHECK.format(job=1, succeeded=1, project=3) + """
 if status == ARGV[1] then
   redis.call('RPUSH', KEYS[2], ARGV[2])
 end
@@ -50,7 +54,7 @@ _QUEUE_IF_ALIAS_STILL_THERE = """
 if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then
   return '""" + MOVED + """'
 end
-""" + _KIND_CHECK.format(job=2, succeeded=3) + """
+""" + _KIND_CHECK.format(job=2, succeeded=3, project=5) + """
 if status == ARGV[3] then
   redis.call('RPUSH', KEYS[3], ARGV[4])
 end
@@ -67,15 +71,17 @@ class Transport:
         self._queue_if_succeeded = client.register_script(_QUEUE_IF_SUCCEEDED)
         self._queue_if_alias_still_there = client.register_script(_QUEUE_IF_ALIAS_STILL_THERE)
 
-    async def queue(self, device_id: str, job_id: str, message: memoryview | bytes, alias: str | None = None) -> str | None:
-        """RPUSH `message` to the device's list if the job succeeded and, given `alias`, that name
-        still points at the job: the job's status either way (None: no such job), or MOVED."""
+    async def queue(self, device_id: str, job_id: str, message: memoryview | bytes, alias: str | None = None,
+                    project: str = "") -> str | None:
+        """RPUSH `message` to the device's list if the job succeeded, is of `project` (when one is
+        named) and, given `alias` (its stored name), that name still points at the job: the job's
+        status either way (None: no such job, or another project's), or MOVED."""
         if alias is None:
             return await self._scripts.run(self._queue_if_succeeded, [keys.job(job_id), keys.predict_queue(device_id)],
-                                           [JobStatus.succeeded.value, message])
+                                           [JobStatus.succeeded.value, message, project])
         return await self._scripts.run(self._queue_if_alias_still_there,
                                        [keys.ALIASES, keys.job(job_id), keys.predict_queue(device_id)],
-                                       [alias, job_id, JobStatus.succeeded.value, message])
+                                       [alias, job_id, JobStatus.succeeded.value, message, project])
 
     async def take_back(self, device_id: str, message: memoryview | bytes) -> None:
         """Remove `message` from the device's list, if it is still there: an LREM of its exact bytes,

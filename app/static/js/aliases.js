@@ -17,7 +17,7 @@ export async function refreshAliases() {
       el("td", { class: "mono small", title: a.previous_job_id || "" }, shortId(a.previous_job_id)),
       el("td", { class: "small muted" }, when(a.updated_at)),
       el("td", { class: "small muted", title: a.note || "" }, a.updated_by || "–"),
-      el("td", {}, a.previous_job_id ? el("button", { type: "button", class: "small", onclick: () => rollback(a.name) }, "Roll back") : "")));
+      el("td", {}, a.previous_job_id ? el("button", { type: "button", class: "small needs-write", onclick: () => rollback(a.name) }, "Roll back") : "")));
   }
 }
 

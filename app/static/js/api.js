@@ -3,7 +3,21 @@
 import { $ } from "./dom.js";
 
 const KEY_STORAGE = "torchyard.apiKey";
+const PROJECT_STORAGE = "torchyard.project";
 let key = localStorage.getItem(KEY_STORAGE) || "";
+let acting = localStorage.getItem(PROJECT_STORAGE) || "";  // an admin's project ("": every project)
+
+export const project = () => acting;
+export function setProject(value) {
+  acting = value;
+  if (acting) localStorage.setItem(PROJECT_STORAGE, acting); else localStorage.removeItem(PROJECT_STORAGE);
+}
+
+// `?project=` on a data call while an admin acts in one project (the server's /v2 and /predict ignore it).
+function inProject(path) {
+  if (!acting || !path.startsWith("/") || path.startsWith("/static/")) return path;
+  return `${path}${path.includes("?") ? "&" : "?"}project=${encodeURIComponent(acting)}`;
+}
 
 export const apiKey = () => key;
 export function setApiKey(value) {
@@ -23,7 +37,7 @@ export async function api(path, options = {}) {
   const headers = { ...(options.headers || {}) };
   if (key) headers.Authorization = `Bearer ${key}`;
   try {
-    response = await fetch(path, { ...options, headers });
+    response = await fetch(inProject(path), { ...options, headers });
   } catch (err) {
     if (err.name === "AbortError") throw err;
     setConnection(false, "the server does not answer");

@@ -1,5 +1,6 @@
 // torchyard dashboard: plain JS modules, no libraries, nothing fetched from anywhere but this server.
 // Each view has a URL: `#/` the overview, `#/jobs/<id>` a job, `#/sweeps/<id>` a sweep (link, bookmark, reload, back).
+import { refreshWhoami, wireProject } from "./access.js";
 import { refreshAliases } from "./aliases.js";
 import { apiKey, setApiKey } from "./api.js";
 import { refreshDevices } from "./devices.js";
@@ -21,7 +22,7 @@ function route() {
 }
 
 async function refreshAll() {
-  await Promise.all([loadChoices(), refreshDevices(), refreshJobs(), refreshAliases(), refreshSweeps()]);
+  await Promise.all([refreshWhoami(), loadChoices(), refreshDevices(), refreshJobs(), refreshAliases(), refreshSweeps()]);
 }
 
 function wire() {
@@ -33,6 +34,7 @@ function wire() {
     const current = selectedJob();
     if (current) { openJob(null); openJob(current); }
   });
+  wireProject(refreshAll);
   $("job-form").addEventListener("submit", startJob);
   onJobsListed(() => { refreshPredictJobs(); refreshStartFrom(); });
   onJobChanged((job) => {

@@ -65,7 +65,7 @@ class ExportCatalog:
         if source.status is not JobStatus.succeeded or source.checkpoint is None:
             raise Conflict(f"job {job_id} is {source.status.value}; only a succeeded job's model can be exported")
         sha = source.checkpoint.sha256
-        existing = self._current(sha, fmt)
+        existing = self._current(sha, fmt, source.project)
         if existing is not None:
             if existing.status is JobStatus.succeeded:
                 path = export_path(self.paths, existing.id, fmt)
@@ -88,11 +88,11 @@ class ExportCatalog:
         the same checkpoint asked for first is that job's, and stays."""
         if job.kind is not JobKind.train or job.checkpoint is None:
             return []
-        exports = (self._current(job.checkpoint.sha256, fmt) for fmt in ExportFormat)
+        exports = (self._current(job.checkpoint.sha256, fmt, job.project) for fmt in ExportFormat)
         return [e.id for e in exports if e is not None and ExportParams.of(e).source_job_id == job.id]
 
-    def _current(self, sha: str, fmt: ExportFormat) -> Job | None:
-        export_id = self.redis.get(keys.export(sha, fmt.value))
+    def _current(self, sha: str, fmt: ExportFormat, project: str) -> Job | None:
+        export_id = self.redis.get(keys.export(sha, fmt.value, project))
         if not export_id:
             return None
         try:
@@ -102,11 +102,11 @@ class ExportCatalog:
 
     def _create(self, source: Job, sha: str, fmt: ExportFormat) -> Job:
         """One export job per (sha256, format) even when several API processes ask at once."""
-        lock = keys.export_lock(sha, fmt.value)
+        lock = keys.export_lock(sha, fmt.value, source.project)
         if not self.redis.set(lock, "1", nx=True, ex=_LOCK_TTL_S):
             for _ in range(100):  # another request is creating it right now
                 time.sleep(0.02)
-                current = self._current(sha, fmt)
+                current = self._current(sha, fmt, source.project)
                 if current is not None and not current.status.terminal:
                     return current
             raise Unavailable("another request is creating this export; retry")
@@ -115,7 +115,7 @@ class ExportCatalog:
             export, _ = self.store.create(model=source.model, dataset=source.dataset,
                                           params=params, requested_device="auto",
                                           depends_on=source.id)  # the source stays while it is built
-            self.redis.set(keys.export(sha, fmt.value), export.id)
+            self.redis.set(keys.export(sha, fmt.value, source.project), export.id)
             return export
         finally:
             self.redis.delete(lock)

@@ -78,3 +78,6 @@ class JobSpec(BaseModel):
                             "global batch.")
     elastic: bool = Field(default=False, description="After a fault, resume with fewer devices when fewer are free "
                           "(the global batch and the schedule are kept).")
+    priority: Literal["low", "normal", "high"] = Field(
+        default="normal", description="Its place among its project's queued jobs: high before normal before low "
+                                      "(between projects, fair share decides: core/access/fair_share.py).")

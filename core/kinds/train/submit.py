@@ -48,6 +48,8 @@ class JobSubmission(Submitter):
         if earlier is not None:  # a retry: its job, whatever changed since it was checked
             return earlier, False
         checked = self.check(spec)
+        if spec.priority != "normal":  # a field of the record beside its params: the queue's, not the run's
+            tags = {**(tags or {}), "priority": spec.priority}
         job, created = self.store.create(model=checked.model, dataset=checked.dataset, params=checked.params,
                                          requested_device=checked.device, idempotency_key=idempotency_key,
                                          body_digest=digest, depends_on=checked.parent, tags=tags)

@@ -1,0 +1,110 @@
+"""Projects' quotas: what an admin sets (PUT /projects/{name}), what a project uses now, and the
+checks that refuse past a quota with a 429 naming it and its value.
+
+Enforced here (and `predict_per_second` by the API's gate, app/api/access.PredictRate, on the
+prediction routes before their bodies: a counter per project and second in Redis): `queued_jobs` (a job is refused at creation while its project has that many queued:
+waiting helps, so the 429 carries Retry-After) and `dataset_bytes` (an upload whose archive would
+take the project's uploads past it: waiting does not help, no Retry-After). Both are checked
+before the write and not in the same transaction, so two requests at once may pass one over by
+one each: a quota bounds a team's share, it is not an exact counter. Usage is read from the
+records themselves (the queued and running jobs' index, the datasets' records), so it cannot
+drift from what exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import redis
+from pydantic import BaseModel, ConfigDict, Field
+
+from core import keys
+from core.access.projects import project_of
+from core.errors import OverQuota
+
+QUEUED_RETRY_S = 30  # a queued job's place frees when some job of the project starts or ends
+
+
+class Quota(BaseModel):
+    """PUT /projects/{name}'s body and GET's `quota`: a limit each, null (or absent) for none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    queued_jobs: int | None = Field(default=None, ge=0, le=1_000_000,
+                                    description="jobs waiting for a device at once (429 with Retry-After past it)")
+    dataset_bytes: int | None = Field(default=None, ge=0,
+                                      description="bytes of the project's uploaded archives together (429 past it)")
+    predict_per_second: int | None = Field(default=None, ge=0, le=1_000_000,
+                                           description="POST /predict and /v2 infer requests per second, every API "
+                                                       "process together (429 with Retry-After past it)")
+
+
+class Usage(BaseModel):
+    queued_jobs: int
+    running_jobs: int
+    datasets: int
+    dataset_bytes: int
+
+
+class ProjectView(BaseModel):
+    name: str
+    quota: Quota
+    usage: Usage
+
+
+class Quotas:
+    def __init__(self, client: redis.Redis) -> None:
+        self.redis = client
+
+    def get(self, project: str) -> Quota:
+        raw = self.redis.get(keys.project_quota(project))
+        return Quota.model_validate_json(raw) if raw else Quota()
+
+    def set(self, project: str, quota: Quota) -> Quota:
+        self.redis.set(keys.project_quota(project), quota.model_dump_json())
+        return quota
+
+    def view(self, project: str) -> ProjectView:
+        return ProjectView(name=project, quota=self.get(project), usage=self.usage(project))
+
+    def usage(self, project: str) -> Usage:
+        queued, running = (self._jobs_of(project, status) for status in ("queued", "running"))
+        uploads = self._uploads_of(project)
+        return Usage(queued_jobs=queued, running_jobs=running, datasets=len(uploads), dataset_bytes=sum(uploads))
+
+    # ------------------------------------------------------------------ checks
+    def admit_job(self, project: str) -> None:
+        """OverQuota when `project` has its `queued_jobs` quota of jobs queued already."""
+        limit = self.get(project).queued_jobs
+        if limit is not None and self._jobs_of(project, "queued") >= limit:
+            raise OverQuota(f"project {project!r} is at its quota of queued_jobs = {limit}: submit again once one "
+                            f"of its jobs has started or ended", retry_after_s=QUEUED_RETRY_S)
+
+    def admit_upload(self, project: str, size: int) -> None:
+        """OverQuota when an archive of `size` bytes would take `project` past `dataset_bytes`."""
+        limit = self.get(project).dataset_bytes
+        if limit is None:
+            return
+        used = sum(self._uploads_of(project))
+        if used + size > limit:
+            raise OverQuota(f"project {project!r} is at its quota of dataset_bytes = {limit}: its uploads hold "
+                            f"{used} bytes and this one is {size}; delete one of its datasets first")
+
+    # ------------------------------------------------------------------ usage, read from the records
+    def _jobs_of(self, project: str, status: str) -> int:
+        ids = self.redis.zrange(keys.jobs_with_status(status), 0, -1)
+        return sum(1 for p in self._fields(ids, keys.job, "project") if project_of(p) == project)
+
+    def _uploads_of(self, project: str) -> list[int]:
+        import json
+
+        ids = sorted(self.redis.smembers(keys.DATASETS_INDEX))
+        raws = self.redis.mget([keys.dataset(i) for i in ids]) if ids else []
+        records = [json.loads(r) for r in raws if r]
+        return [int(r.get("size_bytes") or 0) for r in records if (r.get("project") or "default") == project]
+
+    def _fields(self, ids: Iterable[str], key: Callable[[str], str], field: str) -> list[str | None]:
+        pipe = self.redis.pipeline(transaction=False)
+        for item in ids:
+            pipe.hget(key(item), field)
+        return list(pipe.execute())

@@ -1,0 +1,125 @@
+"""Projects' quotas against a real API process (the bootstrap key, no worker: jobs stay queued)
+and a real Redis: a job over `queued_jobs` is a 429 with Retry-After naming the quota, an upload
+over `dataset_bytes` a 429 without (waiting does not help); a project's members read its quotas
+and use, others get a 404; `torchyard projects show|set-quota`."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.test_cli import CLI, cli_env
+from tests.support import REPO, Processes, flush, pattern_zip, with_db
+
+pytestmark = pytest.mark.e2e
+
+KEY = "bootstrap-admin-key-for-the-quota-tests"
+JOB = {"model": "cifar_net", "dataset": "fake", "epochs": 1}
+
+
+@pytest.fixture(scope="module")
+def api(redis_base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    data_dir: Path = tmp_path_factory.mktemp("quotas")
+    url = with_db(redis_base_url, 15)
+    flush(url)
+    procs = Processes(url, data_dir, data_dir / "logs", TORCHYARD_API_KEY=KEY)
+    base = procs.ready_api()
+    admin = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    clients = {"admin": admin}
+    try:
+        for name, role, project in (("gamma", "trainer", "gamma"), ("gamma-viewer", "viewer", "gamma"),
+                                    ("delta", "trainer", "delta")):
+            secret = admin.post("/keys", json={"name": name, "role": role, "project": project}).json()["secret"]
+            clients[name] = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {secret}"}, timeout=60)
+        yield {"base": base, **clients}
+    finally:
+        for client in clients.values():
+            client.close()
+        procs.stop_all()
+        flush(url)
+
+
+def test_a_job_past_the_queued_jobs_quota_is_a_429_to_retry(api: dict) -> None:
+    set_ = api["admin"].put("/projects/gamma", json={"queued_jobs": 2})
+    assert set_.status_code == 200 and set_.json()["quota"] == {"queued_jobs": 2, "dataset_bytes": None,
+                                                                "predict_per_second": None}
+    gamma = api["gamma"]
+    first = gamma.post("/jobs", json=JOB, headers={"Idempotency-Key": "first"})
+    assert first.status_code == 202, first.text
+    assert gamma.post("/jobs", json=JOB).status_code == 202
+    refused = gamma.post("/jobs", json=JOB)
+    assert refused.status_code == 429 and refused.headers["retry-after"].isdigit()
+    assert "queued_jobs = 2" in refused.json()["detail"] and "gamma" in refused.json()["detail"]
+    again = gamma.post("/jobs", json=JOB, headers={"Idempotency-Key": "first"})  # a retry is not a new job
+    assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+    assert api["delta"].post("/jobs", json=JOB).status_code == 202  # another project's quota is its own
+    view = api["gamma-viewer"].get("/projects/gamma").json()
+    assert view["usage"]["queued_jobs"] == 2 and view["usage"]["running_jobs"] == 0
+    assert gamma.post(f"/jobs/{first.json()['id']}/cancel").status_code == 202
+    assert gamma.post("/jobs", json=JOB).status_code == 202  # a place freed
+
+
+def test_an_upload_past_the_dataset_bytes_quota_is_a_429_without_retry_after(api: dict) -> None:
+    archive = pattern_zip()
+    assert api["admin"].put("/projects/gamma", json={"queued_jobs": 2, "dataset_bytes": len(archive) + 10}
+                            ).status_code == 200
+    gamma = api["gamma"]
+
+    def upload() -> httpx.Response:
+        return gamma.post("/datasets", files={"file": ("d.zip", archive, "application/zip")})
+
+    first = upload()
+    assert first.status_code == 201, first.text
+    refused = upload()
+    assert refused.status_code == 429 and "retry-after" not in refused.headers
+    assert f"dataset_bytes = {len(archive) + 10}" in refused.json()["detail"]
+    assert api["gamma-viewer"].get("/projects/gamma").json()["usage"]["dataset_bytes"] == len(archive)
+    assert gamma.delete(f"/datasets/{first.json()['id']}").status_code == 204
+    assert upload().status_code == 201
+
+
+def test_a_project_is_read_by_its_members_and_set_by_an_admin(api: dict) -> None:
+    assert api["delta"].get("/projects/gamma").status_code == 404
+    assert api["gamma"].put("/projects/gamma", json={"queued_jobs": 100}).status_code == 403
+    assert api["gamma"].get("/projects/gamma").status_code == 200
+    assert api["admin"].put("/projects/gamma", json={"queued_jobs": -1}).status_code == 422
+    assert api["admin"].put("/projects/Not_A_Name", json={}).status_code == 422
+
+
+def test_the_projects_commands(api: dict) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*CLI, "projects", *args, "--url", api["base"], "--api-key", KEY, "--json"],
+                              cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
+
+    import json
+
+    changed = run("set-quota", "epsilon", "--queued-jobs", "7")
+    assert changed.returncode == 0, changed.stderr
+    assert json.loads(changed.stdout)["quota"] == {"queued_jobs": 7, "dataset_bytes": None, "predict_per_second": None}
+    cleared = run("set-quota", "epsilon", "--queued-jobs", "-1", "--dataset-bytes", "1000")
+    assert json.loads(cleared.stdout)["quota"] == {"queued_jobs": None, "dataset_bytes": 1000, "predict_per_second": None}
+    shown = run("show", "epsilon")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["usage"]["queued_jobs"] == 0
+
+
+def test_predictions_past_the_predict_per_second_quota_are_a_429_before_the_body(api: dict) -> None:
+    """No worker here: an admitted prediction gets its 503; one past the quota, a 429 saying which."""
+    form = {"files": [("file", ("x.png", b"\x89PNG not really", "image/png"))], "data": {"job_id": "nosuchjob"}}
+    assert api["gamma"].post("/predict", **form).status_code != 429
+    assert api["admin"].put("/projects/gamma", json={"predict_per_second": 0}).status_code == 200
+
+    def refused() -> bool:  # each API process reads the quota again within a second
+        answer = api["gamma"].post("/predict", **form)
+        return answer.status_code == 429 and answer.headers["retry-after"] == "1" and \
+            "predict_per_second = 0" in answer.json()["detail"]
+
+    from tests.support import wait_until
+
+    wait_until(refused, timeout=30, what="the quota applied")
+    assert api["gamma"].post("/v2/models/nosuchjob/infer", json={"inputs": []}).status_code == 429
+    assert api["delta"].post("/predict", **form).status_code != 429  # another project's quota is its own
+    assert api["admin"].put("/projects/gamma", json={"predict_per_second": None}).status_code == 200
