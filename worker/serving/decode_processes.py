@@ -8,10 +8,10 @@ What they cost the worker is each image's bytes pickled in and its array pickled
 fraction of a photo's decode; small images, for which that would not pay, are decoded in the
 worker's own thread (worker/serving/decode.DecodeSplit).
 
-This module imports no torch (nor does worker/data/image_array.py), so a decoding process starts in
-milliseconds from the worker's forkserver (worker/data/forkserver.py: a clean process started with the
-worker, safe in a worker that runs threads and holds a CUDA context, this module preloaded) and
-stays small; decoding processes end with the worker however it ends.
+A decoding process starts in milliseconds from the worker's forkserver (worker/data/forkserver.py: a
+clean process started with the worker, safe in a worker that runs threads and holds a CUDA context,
+this module and the JPEG decoder's torch preloaded, their pages shared) and never touches a device;
+decoding processes end with the worker however it ends.
 
 A decoding process can die at any moment (a decoder crash on a hostile file, the OOM killer, any
 signal), which breaks its pool, or stop (a stuck decoder, SIGSTOP, a thrashing host), which would
