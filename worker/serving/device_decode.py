@@ -46,6 +46,13 @@ BASELINE_FRAMES = (0xC0, 0xC1)  # SOF0, SOF1: what nvJPEG's GPU path takes (prog
 Row = torch.Tensor | BadImage
 
 
+def device_decodes(setting: str, device_kind: str) -> bool:
+    """Does a worker of `device_kind` decode /predict's JPEGs on its device, under TORCHYARD_DECODE=
+    `setting`? `cpu` never; `cuda` and `auto` on a CUDA device (auto: until a GPU measurement says
+    the CPU path is faster there; a CPU worker has no other device to decode on)."""
+    return setting != "cpu" and device_kind == "cuda"
+
+
 def device_jpeg_plan(data: bytes, spec: InputSpec, max_pixels: int) -> tuple[tuple[int, int], bool, int] | None:
     """(resize to (width, height), centre crop after it, the decoded pixels) for a JPEG nvJPEG is
     given, or None for the CPU path. Decided on the header alone."""
@@ -72,14 +79,19 @@ class DeviceJpegDecoder:
         self.on_cpu = 0
 
     def decode(self, blobs: list[bytes], spec: InputSpec, cpu: Callable[[bytes], np.ndarray]) -> list[Row]:
-        rows: list[Row | None] = [None] * len(blobs)
+        """Every image's row: nvJPEG's for the planned JPEGs it decodes, `cpu`'s (as a device tensor)
+        or its refusal for the rest."""
+        rows: list[torch.Tensor | None] = self.decode_planned(blobs, spec)
+        return [row if row is not None else self._on_cpu(blob, cpu) for blob, row in zip(blobs, rows, strict=True)]
+
+    def decode_planned(self, blobs: list[bytes], spec: InputSpec) -> list[torch.Tensor | None]:
+        """nvJPEG's row for each image the plan gives it and it decodes; None for the others (the
+        caller's CPU path). Groups under `batch_pixels`, one batched call each."""
+        rows: list[torch.Tensor | None] = [None] * len(blobs)
         plans = [device_jpeg_plan(blob, spec, self.max_pixels) for blob in blobs]
         for group in self._groups(plans):
             self._decode_group(blobs, plans, group, spec, rows)
-        for i, row in enumerate(rows):
-            if row is None:
-                rows[i] = self._on_cpu(blobs[i], cpu)
-        return [row for row in rows if row is not None]
+        return rows
 
     def _groups(self, plans: list[tuple[tuple[int, int], bool, int] | None]) -> list[list[int]]:
         """The planned images in groups of at most `batch_pixels` decoded pixels (one image alone
@@ -100,7 +112,7 @@ class DeviceJpegDecoder:
         return groups
 
     def _decode_group(self, blobs: list[bytes], plans: list, group: list[int], spec: InputSpec,
-                      rows: list[Row | None]) -> None:
+                      rows: list[torch.Tensor | None]) -> None:
         """One nvJPEG batch; if the batch call fails, each image alone; one that fails alone is
         left to the CPU path (its row stays None)."""
         from torchvision.io import ImageReadMode, decode_jpeg

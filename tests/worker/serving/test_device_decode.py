@@ -7,16 +7,26 @@ hostile file never costs its batch-mates their rows."""
 from __future__ import annotations
 
 import io
+import json
 import struct
 
 import numpy as np
 import pytest
+import redis
 import torch
 from PIL import Image
 
+from core import keys
+from core.storage import CheckpointPaths
+from core.wire import PredictReply
 from tests.datagen import photo_jpeg
+from tests.worker.serving.test_engine import META, _encode, _request, _rgb, _save
 from worker.data.image_array import JPEG_TOLERANCE_MAX, BadImage, InputSpec, decode_image
-from worker.serving.device_decode import DeviceJpegDecoder, device_jpeg_plan
+from worker.data.normalization import normalize, stats_tensors
+from worker.device.pinning import WorkerDevice
+from worker.serving.device_decode import DeviceJpegDecoder, device_decodes, device_jpeg_plan
+from worker.serving.engine import InferenceServer
+from worker.serving.model_cache import ModelCache
 
 SPEC = InputSpec(3, 224, 224)
 LIMIT = 40_000_000
@@ -52,6 +62,11 @@ def crafted() -> dict[str, bytes]:
     return {"progressive": reencode(photo, progressive=True), "cmyk": reencode(photo, "CMYK"),
             "truncated": photo[:len(photo) // 2], "png": png.getvalue(), "bomb": bytes(bomb[:sof + 64]) + b"\xff\xd9",
             "not an image": b"\xff\xd8\xff\xe0 nothing here \xff\xd9", "corrupt": bytes(corrupt)}
+
+
+def test_decode_setting_chooses_the_device_on_a_cuda_worker_only() -> None:
+    assert device_decodes("auto", "cuda") and device_decodes("cuda", "cuda")
+    assert not device_decodes("cpu", "cuda") and not device_decodes("auto", "cpu") and not device_decodes("cuda", "cpu")
 
 
 def test_the_plan_gives_nvjpeg_baseline_jpegs_only() -> None:
@@ -121,3 +136,45 @@ def test_on_a_gpu_hostile_files_leave_the_device_in_service() -> None:
             assert (row.cpu().int() - torch.from_numpy(decode_image(blob, SPEC, LIMIT)).int()).abs().max() <= 2
     assert decoder.on_device >= len(good) * 2
     assert (torch.ones(4, device=device) * 2).sum().item() == 8  # the context still works
+
+
+def test_the_engine_answers_from_device_decoded_rows_as_from_the_cpu_path(clean_redis_url: str, tmp_path) -> None:
+    """A CPU worker's engine with the device decode turned on (its CPU twin): JPEG photos decoded by
+    the device decoder, a PNG and the refusals by the CPU path, one batch; every answer is the CPU
+    path's prediction (same top-1, probabilities within 1e-3) and the bad files are refused alone."""
+    client = redis.Redis.from_url(clean_redis_url)
+    paths = CheckpointPaths(tmp_path)
+    model = _save(paths, "job-a", 5)
+    device = WorkerDevice("cpu", None, "testnode")
+    server = InferenceServer(client, device, ModelCache(paths, "cpu", 2, 1 << 30), max_batch=32, max_wait_ms=5,
+                             max_pixels=LIMIT, device_decode=True)
+    assert server.decoder.device_decoder is not None
+    photos = [photo_jpeg(48, 40, seed=i) for i in range(4)]  # full scale to 32×32: the device decoder's
+    png = _encode(_rgb(3), "PNG")
+    queue = keys.predict_queue(device.id)
+    for i, blob in enumerate([*photos, png]):
+        client.rpush(queue, _request("job-a", [blob], f"reply:{i}"))
+    client.rpush(queue, _request("job-a", [photos[0], photos[1][:200]], "reply:truncated"))
+    client.rpush(queue, _request("job-a", [b"\xff\xd8\xff garbage \xff\xd9"], "reply:garbage"))
+    server.start()
+    try:
+        keys_wanted = [*(f"reply:{i}" for i in range(5)), "reply:truncated", "reply:garbage"]
+        replies = {key: client.blpop([key], timeout=30) for key in keys_wanted}
+    finally:
+        server.stop()
+        server.join()
+    assert all(replies.values()), replies
+    addressed = {key: PredictReply.decode_addressed(value[1].decode())[1] for key, value in replies.items()}
+    assert str(addressed.pop("reply:truncated").status) == "415" and str(addressed.pop("reply:garbage").status) == "415"
+    assert server.decoder.device_decoder.on_device >= 4
+    mean, std = stats_tensors(META.preprocessing, "cpu")
+    spec = InputSpec.of(META.preprocessing)
+    with torch.inference_mode():
+        x = torch.from_numpy(np.stack([decode_image(b, spec, LIMIT) for b in [*photos, png]]))
+        expected = torch.softmax(model(normalize(x, mean, std)), dim=1)
+    for i in range(5):
+        reply = addressed[f"reply:{i}"]
+        assert str(reply.status) == "200", reply
+        top = json.loads(reply.body)["results"][0]["predictions"]
+        assert top[0]["index"] == expected[i].argmax().item()
+        assert all(abs(p["probability"] - expected[i][p["index"]].item()) <= 1e-3 for p in top)
