@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw
 
-from worker.data.image_array import InputSpec, decode_image
+from worker.data.image_array import image_to_array
 
 SHAPE_CLASSES = ("circle", "square", "triangle")
 SHAPE_COLOURS = {"circle": (220, 40, 40), "square": (40, 200, 60), "triangle": (50, 70, 230)}
@@ -159,7 +159,9 @@ def write_photo_set(root: Path, per_class: int, size: tuple[int, int] = (500, 37
 
 def one_by_one(files: list[Path], channels: int, height: int, width: int,
                resize_size: int | None = None) -> np.ndarray:
-    """What the set's rows must be: each readable file through the one transform, in order (a JPEG at
-    full scale through torchvision's decoder, as /predict decodes it: image_array.decode_image)."""
-    spec = InputSpec(channels, height, width, resize_size)
-    return np.stack([decode_image(path.read_bytes(), spec, max_pixels=10**9) for path in files])
+    """What the set's rows must be: each readable file through the one transform, in order."""
+    arrays = []
+    for path in files:
+        with Image.open(path) as image:
+            arrays.append(image_to_array(image, channels, height, width, resize_size))
+    return np.stack(arrays)

@@ -2,8 +2,7 @@
 
 worker/data/datasets.py decodes a set once per input spec (channels, size, resize) and caches the result;
 this module is how that one decode uses the host: a pool of processes, each decoding chunks of
-files with worker/data/image_array's transform (the one /predict runs: JPEG draft, or torchvision's
-decoder for a JPEG at full scale, `fast_jpeg_array`)
+files with worker/data/image_array.image_to_array (the transform /predict runs, JPEG draft included)
 and sending back one uint8 array per chunk, which is copied into its rows of one array
 allocated up front. Nothing else holds the decoded images: memory is that array plus the chunks
 in flight (a few per process).
@@ -21,9 +20,9 @@ a native decoder's segfault kills one pool process, never the worker (below).
 Why a forkserver (worker/data/forkserver.py): a worker runs threads and may hold a CUDA context, which
 forking would copy; the worker's forkserver is a clean process, started when the worker starts,
 with this module, its imports and the worker's main module preloaded, so a pool process forks
-from it in milliseconds and finds what it runs already imported, torch and torchvision included
-(the server imports them once for worker/data/torch_jpeg.py; a pool process shares its pages
-instead of spending seconds and hundreds of megabytes importing them); a script that decodes a set must
+from it in milliseconds and finds what it runs already imported. This module,
+worker/data/image_array.py and core/images.py import no torch, so neither the server nor a pool process
+does (importing torch costs seconds and hundreds of megabytes); a script that decodes a set must
 guard its work with `if __name__ == "__main__"` (each pool process imports the main module).
 
 A pool process that dies (a decoder crash, the OOM killer, a stray signal) breaks the pool:
@@ -36,7 +35,6 @@ the job keep the cores when they want them) and end with the worker, however it 
 
 from __future__ import annotations
 
-import io
 import logging
 import os
 from collections import deque
@@ -52,7 +50,7 @@ from PIL import Image
 
 from core.images import IMAGE_FORMATS
 from worker.data import forkserver
-from worker.data.image_array import InputSpec, fast_jpeg_array, image_to_array
+from worker.data.image_array import InputSpec, image_to_array
 
 log = logging.getLogger(__name__)
 
@@ -61,10 +59,6 @@ CHUNKS_PER_PROCESS = 8  # chunks per pool process over a whole set: a slow chunk
 MAX_CHUNK = 64  # files per chunk at most: what is lost, and decoded again, when a pool process dies
 IN_FLIGHT_PER_PROCESS = 2  # chunks submitted per pool process: one to decode, one queued behind it
 MAX_CRASHES = 8  # files that killed a decoder before the whole set is refused
-# The pixels at which Pillow refuses a file outright (DecompressionBombError: twice its warning
-# threshold); torchvision's decoder refuses a JPEG's header beyond it too, so no decoder of a set
-# decodes more than Pillow would (an upload's images were checked at its own limit when extracted).
-BOMB_PIXELS = 2 * (Image.MAX_IMAGE_PIXELS or 89_478_485)
 
 
 class DecodeFailed(Exception):
@@ -103,13 +97,8 @@ def decode_chunk(files: Sequence[str], spec: InputSpec) -> tuple[np.ndarray, lis
     errors: list[str | None] = []
     for i, path in enumerate(files):
         try:
-            data = Path(path).read_bytes()
-            fast = fast_jpeg_array(data, spec, BOMB_PIXELS)  # a JPEG at full scale: torchvision's decoder
-            if fast is not None:
-                out[i] = fast
-            else:
-                with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as image:  # the allowlist (core/images.py)
-                    out[i] = image_to_array(image, spec.channels, spec.height, spec.width, spec.resize_size)
+            with Image.open(path, formats=IMAGE_FORMATS) as image:  # the allowlist (core/images.py)
+                out[i] = image_to_array(image, spec.channels, spec.height, spec.width, spec.resize_size)
             errors.append(None)
         except Exception as exc:  # truncated, not an image, a decompression bomb, a broken palette, ...
             errors.append(f"{type(exc).__name__}: {exc}")

@@ -7,10 +7,8 @@ context the child must never touch; spawn starts clean but pays a fresh interpre
 The forkserver is a clean process (fork + exec, safe with threads); a child forks from it in
 milliseconds with what the server preloaded already imported.
 
-What it preloads, and why all of it at once: both decoding modules (numpy, Pillow, the transform),
-the JPEG decoder most photos go through (worker/data/torch_jpeg.py: torch and torchvision, a few
-seconds of CPU once per worker and a few hundred megabytes the children share, where each decoding
-process would otherwise import them before its first photo), and the worker's main module (app/cli.py, the entry point: pydantic settings,
+What it preloads, and why all of it at once: both decoding modules (numpy, Pillow, the transform;
+none imports torch), and the worker's main module (app/cli.py, the entry point: pydantic settings,
 the Redis client). multiprocessing makes every child import the parent's main module before its
 first task; preloaded, that import finds its modules in place and costs milliseconds, where each
 of a 16-process pool would otherwise spend a fraction of a second of CPU importing them, on the
@@ -35,7 +33,7 @@ import time
 from multiprocessing.context import BaseContext
 
 # The modules whose functions run in the server's children: imported by the server, once.
-DECODING_MODULES = ("worker.data.dataset_decode", "worker.serving.decode_processes", "worker.data.torch_jpeg")
+DECODING_MODULES = ("worker.data.dataset_decode", "worker.serving.decode_processes")
 
 
 def context() -> BaseContext:

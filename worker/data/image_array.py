@@ -12,8 +12,10 @@ A JPEG that Pillow would decode at full scale goes to torchvision's decoder and 
 instead (`fast_jpeg_plan`, worker/data/torch_jpeg.py): twice as fast for a photo, three times for a
 small JPEG, and within one uint8 level of Pillow's output (the contract's tolerance, JPEG_TOLERANCE).
 
-The module imports no torch itself (worker/data/torch_jpeg.py does, when a JPEG goes there): a
-process that decodes only what Pillow takes, or decides only, never pays for importing it.
+The module imports no torch itself (worker/data/torch_jpeg.py does, when a JPEG first goes there):
+an upload's decoding processes, which run `image_to_array` on opened files, never import it, and a
+/predict decoding process imports it once, at its first such JPEG (the worker's forkserver stays
+light: preloading torch there cost a worker's start seconds of CPU, docs/benchmarks.md).
 Normalisation (the float side) is worker/data/normalization.py.
 """
 
@@ -34,8 +36,10 @@ if TYPE_CHECKING:
 
 # Bumped whenever image_to_array's output changes for some input: datasets decoded by an older
 # transform (worker/data/datasets.py's caches) are decoded again, so training data stays what /predict sees.
-# 2: JPEG draft (below). 3: JPEGs at full scale through torchvision's decoder and torch's resize.
-TRANSFORM_VERSION = 3
+# 2: JPEG draft (below). Training data is decoded by Pillow alone (worker/data/dataset_decode.py):
+# torchvision's JPEG decoder (fast_jpeg_array) is /predict's and batch predictions', within
+# JPEG_TOLERANCE of it.
+TRANSFORM_VERSION = 2
 
 # What the two decoders of a JPEG may differ by, in uint8 levels, against the preprocessing
 # contract (Pillow's decode + BILINEAR resize, docs/deploying-models.md): the pixels decoded are
@@ -111,7 +115,7 @@ def fast_jpeg_array(data: bytes | memoryview, spec: InputSpec, max_pixels: int) 
     plan = fast_jpeg_plan(data, spec, max_pixels)
     if plan is None:
         return None
-    from worker.data import torch_jpeg  # torch: preloaded by the forkserver (or here, once per process)
+    from worker.data import torch_jpeg  # torch: the worker's already; a decoding process's at its first JPEG
 
     return torch_jpeg.decode(data, spec.channels, spec.height, spec.width, *plan)
 

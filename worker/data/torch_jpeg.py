@@ -14,10 +14,14 @@ the decode (where it does, Pillow decodes 4-64× fewer pixels and stays). Anythi
 refuses (a truncated or corrupt file: a RuntimeError) returns None, and the caller decodes it
 with Pillow, which refuses it with the 415 it always did.
 
-This module imports torch and torchvision. The worker's forkserver preloads it
-(worker/data/forkserver.py), so its decoding processes fork with them imported instead of each
-importing them (seconds) before its first photo. Each thread that decodes here runs its torch ops
-on itself alone (`_one_thread`): a resize must never start an OpenMP team per decoding process.
+This module imports torch and torchvision: the worker has them already (its intake thread decodes
+cheap images itself), a batch prediction's DataLoader processes too; a /predict decoding process
+imports them at its first such JPEG, once for its life (the pool lives as long as the worker). The
+worker's forkserver does not preload them: that cost every worker's start seconds of CPU, enough
+on a loaded 2-core host to miss a first request's timeout (docs/benchmarks.md, "CPU JPEG
+decoders"). Training data stays with Pillow (worker/data/dataset_decode.py), within JPEG_TOLERANCE.
+Each thread that decodes here runs its torch ops on itself alone (`_one_thread`): a resize must
+never start an OpenMP team per decoding process.
 """
 
 from __future__ import annotations
