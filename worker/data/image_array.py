@@ -12,18 +12,22 @@ A JPEG that Pillow would decode at full scale goes to torchvision's decoder and 
 instead (`fast_jpeg_plan`, worker/data/torch_jpeg.py): twice as fast for a photo, three times for a
 small JPEG, and within one uint8 level of Pillow's output (the contract's tolerance, JPEG_TOLERANCE).
 
-The module imports no torch itself (worker/data/torch_jpeg.py does, when a JPEG first goes there):
-an upload's decoding processes, which run `image_to_array` on opened files, never import it, and a
-/predict decoding process imports it once, at its first such JPEG (the worker's forkserver stays
-light: preloading torch there cost a worker's start seconds of CPU, docs/benchmarks.md).
+The module imports no torch itself (worker/data/torch_jpeg.py does): an upload's decoding processes,
+which run `image_to_array` on opened files, never import it, and a /predict decoding process starts
+importing it on a thread at its first such JPEG, decoding with Pillow until it is in (`_torch_jpeg`;
+the worker's forkserver stays light: preloading torch there cost a worker's start seconds of CPU,
+docs/benchmarks.md).
 Normalisation (the float side) is worker/data/normalization.py.
 """
 
 from __future__ import annotations
 
+import importlib
 import io
+import sys
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
@@ -115,9 +119,28 @@ def fast_jpeg_array(data: bytes | memoryview, spec: InputSpec, max_pixels: int) 
     plan = fast_jpeg_plan(data, spec, max_pixels)
     if plan is None:
         return None
-    from worker.data import torch_jpeg  # torch: the worker's already; a decoding process's at its first JPEG
-
+    torch_jpeg = _torch_jpeg()
+    if torch_jpeg is None:
+        return None  # still importing: Pillow meanwhile
     return torch_jpeg.decode(data, spec.channels, spec.height, spec.width, *plan)
+
+
+_importing: list[threading.Thread] = []
+
+
+def _torch_jpeg() -> Any:
+    """worker/data/torch_jpeg.py once this process has imported it; until then None, and the import
+    started on a thread of its own (at the first JPEG that would go there). A decoding process never
+    waits seconds for torch mid-batch (its chunk's timeout counts), nor does a worker's start pay
+    for it: its first JPEGs decode with Pillow, the rest with torchvision, within JPEG_TOLERANCE."""
+    module = sys.modules.get("worker.data.torch_jpeg")
+    if module is not None and getattr(module, "READY", False):
+        return module
+    if not _importing:
+        _importing.append(threading.Thread(target=importlib.import_module, args=("worker.data.torch_jpeg",),
+                                           name="torch-jpeg-import", daemon=True))
+        _importing[0].start()
+    return None
 
 
 def fast_jpeg_plan(data: bytes | memoryview, spec: InputSpec, max_pixels: int) -> tuple[tuple[int, int], bool] | None:

@@ -16,7 +16,8 @@ with Pillow, which refuses it with the 415 it always did.
 
 This module imports torch and torchvision: the worker has them already (its intake thread decodes
 cheap images itself), a batch prediction's DataLoader processes too; a /predict decoding process
-imports them at its first such JPEG, once for its life (the pool lives as long as the worker). The
+imports them on a thread from its first such JPEG, once for its life (the pool lives as long as the
+worker), decoding with Pillow until then (worker/data/image_array._torch_jpeg: `READY`, last here). The
 worker's forkserver does not preload them: that cost every worker's start seconds of CPU, enough
 on a loaded 2-core host to miss a first request's timeout (docs/benchmarks.md, "CPU JPEG
 decoders"). Training data stays with Pillow (worker/data/dataset_decode.py), within JPEG_TOLERANCE.
@@ -72,3 +73,6 @@ def decode(data: bytes | memoryview, channels: int, height: int, width: int,
         top, left = round((h - height) / 2.0), round((w - width) / 2.0)
         image = image[:, top:top + height, left:left + width]
     return np.ascontiguousarray(image.numpy())
+
+
+READY = True  # the module is whole: image_array._torch_jpeg uses it only from here on (an import on a thread)

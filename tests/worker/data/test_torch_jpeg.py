@@ -8,7 +8,10 @@ the pixel limit holds on the header before either decodes."""
 from __future__ import annotations
 
 import io
+import os
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,6 +20,8 @@ from PIL import Image
 
 from models.registry import build_model
 from tests.datagen import photo_jpeg
+from tests.support import REPO
+from worker.data import torch_jpeg  # imported here: decode_image uses it from the first call on
 from worker.data.image_array import (
     JPEG_TOLERANCE_MAX,
     JPEG_TOLERANCE_MEAN,
@@ -52,8 +57,10 @@ def test_a_full_scale_jpeg_goes_to_torchvision_and_stays_within_the_contracts_to
         size: tuple[int, int], spec: InputSpec) -> None:
     for seed in range(3):
         data = photo_jpeg(*size, seed=seed)
-        assert fast_jpeg_plan(data, spec, 10**8) is not None
+        plan = fast_jpeg_plan(data, spec, 10**8)
+        assert plan is not None
         fast, expected = decode_image(data, spec, 10**8), contract(data, spec)
+        assert np.array_equal(fast, torch_jpeg.decode(data, spec.channels, spec.height, spec.width, *plan))
         assert fast.shape == expected.shape == (spec.channels, spec.height, spec.width) and fast.dtype == np.uint8
         assert fast.flags.c_contiguous
         difference = np.abs(fast.astype(int) - expected.astype(int))
@@ -146,3 +153,36 @@ def test_the_header_is_found_past_fill_bytes_and_application_segments() -> None:
         header = read_header(blob)
         assert header is not None and (header.width, header.height, header.components, header.precision) == (123, 45, 3, 8)
     assert Image.open(io.BytesIO(padded)).size == (123, 45)  # Pillow reads the same file alike
+
+
+FIRST_JPEGS = """
+import sys, numpy as np
+from tests.datagen import photo_jpeg
+from worker.data import image_array
+from worker.data.image_array import InputSpec, decode_image, image_to_array
+import io
+from PIL import Image
+spec = InputSpec(3, 224, 224)
+data = photo_jpeg(500, 375, seed=1)
+with Image.open(io.BytesIO(data)) as image:
+    pillow = image_to_array(image, 3, 224, 224)
+first = decode_image(data, spec, 10**8)
+print("torch before:", "torch" in sys.modules and "worker.data.torch_jpeg" in sys.modules and
+      getattr(sys.modules["worker.data.torch_jpeg"], "READY", False))
+print("first is pillow:", np.array_equal(first, pillow))
+image_array._importing[0].join()
+later = decode_image(data, spec, 10**8)
+from worker.data import torch_jpeg
+print("later is torchvision:", np.array_equal(later, torch_jpeg.decode(data, 3, 224, 224, (224, 224), False)),
+      "and differs from pillow:", not np.array_equal(later, pillow))
+"""
+
+
+def test_a_process_without_torch_decodes_with_pillow_while_torchvision_imports() -> None:
+    """A /predict decoding process forks without torch: its first JPEG starts the import on a thread
+    and is decoded by Pillow (no chunk waits seconds for torch), the ones after it by torchvision."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", FIRST_JPEGS], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.splitlines() == ["torch before: False", "first is pillow: True",
+                                       "later is torchvision: True and differs from pillow: True"]

@@ -21,6 +21,7 @@ from core.storage import CheckpointPaths
 from core.wire import PredictReply
 from tests.datagen import photo_jpeg
 from tests.worker.serving.test_engine import META, _encode, _request, _rgb, _save
+from worker.data import torch_jpeg  # noqa: F401  (imported: decode_image's CPU path uses it from the first call)
 from worker.data.image_array import JPEG_TOLERANCE_MAX, BadImage, InputSpec, decode_image
 from worker.data.normalization import normalize, stats_tensors
 from worker.device.pinning import WorkerDevice
