@@ -25,8 +25,8 @@ might decode garbage), an image over the pixel limit (the CPU path's 413), or a 
 path makes with libjpeg's scaled decode (the contract's draft: Pillow keeps those). Device memory is
 bounded: a batch's images are split into groups of at most `batch_pixels` decoded pixels, by their
 headers, before any is decoded. A sticky device error (an illegal access, a device-side assert:
-worker/device/health.py) is re-raised, never swallowed, so the device loop takes the worker out of
-service as a training job's would.
+worker/device/health.py) is re-raised, never swallowed: the engine's assembly thread classifies it
+as the device loop does a forward's and takes the worker out of service.
 """
 
 from __future__ import annotations

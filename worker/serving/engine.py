@@ -285,11 +285,20 @@ class InferenceServer:
                 groups = [group for decoding in batch if (group := self._assemble(decoding)) is not None]
                 if groups:
                     self.device_loop.hand_over(groups)
-            except Exception:  # a failure answers its callers and never stops the thread
+            except Exception as exc:  # a failure answers its callers and never stops the thread
                 self.stats.failed()
-                log.exception("assembling a batch failed")
+                # A sticky device error from decoding on the device (nvJPEG: worker/serving/device_decode.py)
+                # takes the worker out of service as the forward's would (device_loop.DeviceLoop._run).
+                health = self.device_loop.health
+                reason = health.job_failed(exc) if health is not None else None
+                if reason is None:
+                    log.exception("assembling a batch failed")
+                detail = (f"the device {self.device.id} is out of service: {reason}" if reason is not None
+                          else f"inference failed on {self.device.id}")
                 for decoding in batch:
-                    self.transport.send_errors(decoding.requests, 503, f"inference failed on {self.device.id}")
+                    self.transport.send_errors(decoding.requests, 503, detail)
+                if reason is not None:
+                    self.device_loop.on_broken(reason)
             finally:
                 self._count_assembling(-1)
 
