@@ -9,8 +9,9 @@ core/images.py, the pixel limit, every failure a `BadImage` with the HTTP status
 `image_to_array` the transform of an opened image (the checkpoint's channels and size, the
 shorter-side resize and centre crop of pretrained weights, libjpeg's scaled decoding for JPEG).
 A JPEG that Pillow would decode at full scale goes to torchvision's decoder and torch's uint8 resize
-instead (`fast_jpeg_plan`, worker/data/torch_jpeg.py): twice as fast for a photo, three times for a
-small JPEG, and within one uint8 level of Pillow's output (the contract's tolerance, JPEG_TOLERANCE).
+instead (`fast_jpeg_plan`, worker/data/torch_jpeg.py): about half the CPU for a photo to 224 and for
+a small JPEG (docs/benchmarks.md, "CPU JPEG decoders"), within one uint8 level of Pillow's output
+(the contract's tolerance, JPEG_TOLERANCE).
 
 The module imports no torch itself (worker/data/torch_jpeg.py does): an upload's decoding processes,
 which run `image_to_array` on opened files, never import it, and a /predict decoding process starts
