@@ -19,6 +19,10 @@ quality 85, a smooth random colour field with pixel noise, ~40 KB), one 2000×15
    (worker/data/dataset_decode.decode_files with k processes, at the caller's priority like the
    others: a worker runs them niced; its first call in a process starts the forkserver, reported
    apart as `first call`).
+3. Per decoder (--only decoders): Pillow's transform, torchvision's decode_jpeg + torch's uint8
+   resize, and what decode_image chooses, over --workers processes at once (one core, all cores),
+   images/s and CPU µs per image, for a 500×375 photo to 224 and to 32, a 32×32 JPEG, a 2000×1500
+   photo to 224 (resize 256, crop): what `fast_jpeg_plan` chooses from.
 """
 
 from __future__ import annotations
@@ -283,13 +287,85 @@ def per_set(root: Path, rounds: int, workers: list[int]) -> dict:
     return {"images_per_second": results, "processes_first_call": firsts}
 
 
+# The two CPU decoders of a JPEG, side by side (docs/benchmarks.md, "CPU JPEG decoders"): Pillow's
+# transform (open, draft where it pays, convert, BILINEAR resize) against torchvision's decode_jpeg +
+# torch's antialiased uint8 resize (worker/data/torch_jpeg.py), and what decode_image chooses.
+DECODER_CASES = [("500x375 JPEG -> 224x224", (500, 375), (3, 224, 224, None)),
+                 ("500x375 JPEG -> 32x32", (500, 375), (3, 32, 32, None)),
+                 ("32x32 JPEG -> 32x32", (32, 32), (3, 32, 32, None)),
+                 ("2000x1500 JPEG -> 224x224 (shorter side 256, centre crop)", (2000, 1500), (3, 224, 224, 256))]
+
+DECODER_CHILD = r'''
+import io, json, sys, time
+sys.path.insert(0, sys.argv[1])
+from PIL import Image
+from tests.datagen import photo_jpeg
+from worker.data import torch_jpeg
+from worker.data.image_array import InputSpec, decode_image, fast_jpeg_plan, image_to_array, _shorter_side_size
+
+size, spec, decoder, count = json.loads(sys.argv[2]), InputSpec(*json.loads(sys.argv[3])), sys.argv[4], int(sys.argv[5])
+blobs = [photo_jpeg(*size, seed=i) for i in range(20)]
+resized = (spec.width, spec.height) if spec.resize_size is None else _shorter_side_size(tuple(size), spec.resize_size)
+
+def pillow(blob):
+    with Image.open(io.BytesIO(blob)) as image:
+        return image_to_array(image, spec.channels, spec.height, spec.width, spec.resize_size)
+
+def torchvision(blob):
+    return torch_jpeg.decode(blob, spec.channels, spec.height, spec.width, resized, spec.resize_size is not None)
+
+def chosen(blob):
+    return decode_image(blob, spec, 10**9)
+
+run = {"pillow": pillow, "torchvision": torchvision, "chosen": chosen}[decoder]
+for blob in blobs:
+    run(blob)  # warm: first calls, torch's thread pinning
+print("ready", flush=True)
+sys.stdin.readline()
+began, cpu = time.perf_counter(), time.process_time()
+for i in range(count):
+    run(blobs[i % len(blobs)])
+print(json.dumps({"wall_s": time.perf_counter() - began, "cpu_s": time.process_time() - cpu}), flush=True)
+'''
+
+
+def decoders(rounds: int, processes: list[int], count: int) -> list[dict]:
+    """Per case and decoder, images/s of k processes decoding at once (each `count` images, started
+    together once all are warm: k × count / the slowest one's wall time) and the CPU µs per image;
+    every variant in fresh processes, the decoders alternating within each round."""
+    rows = []
+    for name, size, spec in DECODER_CASES:
+        for k in processes:
+            measured: dict[str, list] = {d: [] for d in ("pillow", "torchvision", "chosen")}
+            cpu: dict[str, list] = {d: [] for d in measured}
+            for _ in range(rounds):
+                for decoder in measured:
+                    children = [subprocess.Popen([sys.executable, "-c", DECODER_CHILD, str(REPO), json.dumps(size),
+                                                  json.dumps(spec), decoder, str(count)],
+                                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                for _ in range(k)]
+                    for child in children:
+                        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+                    for child in children:
+                        assert child.stdin is not None
+                        child.stdin.write("go\n")
+                        child.stdin.flush()
+                    results = [json.loads(child.communicate()[0].strip().splitlines()[-1]) for child in children]
+                    measured[decoder].append(round(k * count / max(r["wall_s"] for r in results)))
+                    cpu[decoder].append(round(sum(r["cpu_s"] for r in results) / (k * count) * 1e6))
+            rows.append({"case": name, "processes": k, "images_per_second": measured, "cpu_us_per_image": cpu})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jpegs", type=int, default=1200)
     parser.add_argument("--pngs", type=int, default=12000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--workers", default="1,2")
-    parser.add_argument("--only", choices=["image", "gil", "set"])
+    parser.add_argument("--only", choices=["image", "gil", "set", "decoders"])
+    parser.add_argument("--count", type=int, default=400, help="images per process (--only decoders)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -301,6 +377,8 @@ def main() -> None:
         if args.only in (None, "gil"):
             for row in gil_share(root, args.rounds):
                 print(json.dumps(row), flush=True)
+        if args.only in (None, "decoders"):
+            decoders(args.rounds, [int(k) for k in args.workers.split(",")], args.count)
         if args.only in (None, "set"):
             print(json.dumps(per_set(root, args.rounds, [int(k) for k in args.workers.split(",")])), flush=True)
         print(json.dumps({"load_average_start_end": [round(load, 2), round(os.getloadavg()[0], 2)],

@@ -8,7 +8,7 @@ import re
 import socket
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 from pydantic import (
     AliasChoices,
@@ -125,6 +125,17 @@ class Settings(BaseSettings):
                     "a process that has not finished its share by then is taken as stuck, killed, its pool "
                     "replaced, and its images decoded again one at a time (an image that takes as long alone "
                     "is refused with 415). It bounds how long one stuck decoder holds the device's /predict.")
+    decode: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description="Where a CUDA worker decodes /predict's JPEGs: `cuda` with nvJPEG on its GPU, batched, resized "
+                    "there (worker/serving/device_decode.py; what nvJPEG is not given or refuses decodes on the "
+                    "CPU, per image), `cpu` in its decoding processes. `auto`: the GPU on a CUDA worker, until a "
+                    "GPU measurement says otherwise (docs/gpu.md). A CPU worker always decodes on its CPU.")
+    decode_batch_pixels: int = Field(
+        default=48_000_000, ge=1,
+        description="Most decoded pixels one nvJPEG call holds on the device (`decode=cuda`): a batch's JPEGs "
+                    "are split into calls under it by their headers, so device memory for decoding stays "
+                    "bounded (about 3 bytes a pixel for the output, plus nvJPEG's buffers).")
     model_cache_count: int = Field(default=8, ge=1)
     model_cache_bytes: int = Field(default=2 * 1024**3, ge=1)
     predict_cpu_threads: int | None = Field(

@@ -80,6 +80,7 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     from worker.device.pinning import check_cuda
     from worker.gang.member import GangServices
     from worker.runtime.heartbeat import Heartbeat, Sweeper
+    from worker.serving.device_decode import device_decodes
     from worker.serving.engine import InferenceServer
     from worker.serving.model_cache import ModelCache
 
@@ -124,6 +125,8 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
                                 max_pixels=settings.max_image_pixels, cpu_threads=settings.predict_cpu_threads,
                                 decode_processes=settings.predict_decode_processes,
                                 decode_timeout_s=settings.predict_decode_timeout_s,
+                                device_decode=device_decodes(settings.decode, device.kind),
+                                decode_batch_pixels=settings.decode_batch_pixels,
                                 job_running=lambda: state.current_job is not None, health=health,
                                 on_broken=take_out_of_service)
 

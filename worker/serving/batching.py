@@ -121,12 +121,21 @@ class HostStaging:
         # by the arrays' dtype and shape (C, H, W): uint8 decoded images, float32 preprocessed inputs
         self.rings: dict[tuple[str, tuple[int, ...]], PinnedRing[torch.Tensor]] = {}
 
-    def upload(self, arrays: list[np.ndarray], rows: int) -> torch.Tensor:
+    def upload(self, arrays: list[np.ndarray] | list[np.ndarray | torch.Tensor], rows: int) -> torch.Tensor:
         """`arrays` (each C×H×W, one dtype: uint8 images or float32 preprocessed inputs) as one
-        `rows`-long batch of that dtype on the device; rows past `len(arrays)` are zeros."""
-        shape, dtype = tuple(arrays[0].shape), arrays[0].dtype
+        `rows`-long batch of that dtype on the device; rows past `len(arrays)` are zeros. Rows
+        decoded on the device already (worker/serving/device_decode.py: torch tensors there) are
+        stacked there, with no staging buffer."""
         if rows > self.capacity or rows < len(arrays):
             raise ValueError(f"{len(arrays)} images in {rows} rows; the staging buffers hold {self.capacity}")
+        if isinstance(arrays[0], torch.Tensor):
+            stacked = torch.stack([a if isinstance(a, torch.Tensor) else torch.from_numpy(a).to(self.device)
+                                   for a in arrays])
+            if rows > len(arrays):
+                stacked = torch.cat([stacked, stacked.new_zeros((rows - len(arrays), *stacked.shape[1:]))])
+            return stacked
+        host_arrays = [a for a in arrays if isinstance(a, np.ndarray)]
+        shape, dtype = tuple(host_arrays[0].shape), host_arrays[0].dtype
         ring = self.rings.get((dtype.str, shape))
         if ring is None:
             torch_dtype = torch.float32 if dtype == np.float32 else torch.uint8
@@ -135,7 +144,7 @@ class HostStaging:
                 self.device, self.count)
         buffer = ring.next()
         host = buffer.numpy()
-        for row, array in enumerate(arrays):
+        for row, array in enumerate(host_arrays):
             host[row] = array
         if rows > len(arrays):
             host[len(arrays):rows] = 0

@@ -18,15 +18,27 @@ nothing to decode: `Decoder.start_tensors` reads them in place, checked against 
 A decoding process that dies or stalls costs its chunk a second decode, one image at a time,
 never a request (worker/serving/decode_processes.py): `PendingDecode.result` always returns a
 row or a refusal for every image.
+
+On a CUDA worker with TORCHYARD_DECODE=cuda or auto, a batch's baseline JPEGs are decoded by nvJPEG
+on the device instead (worker/serving/device_decode.py), on the assembly thread inside the engine's
+stream, while the rest (and any the device refuses) take the path above: `DevicePendingDecode`.
+Its rows are then device tensors, which the staging stacks on the device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import numpy as np
+import torch
 
 from worker.checkpoints.format import ModelMeta
 from worker.data.image_array import BadImage, InputSpec
 from worker.serving.decode_processes import Chunk, DecodeProcesses, Sent, decode_chunk
+from worker.serving.device_decode import DeviceJpegDecoder, device_jpeg_plan
+
+Row = np.ndarray | torch.Tensor | BadImage
 
 
 class DecodeSplit:
@@ -79,18 +91,58 @@ class PendingDecode:
         return decoded
 
 
+class DevicePendingDecode:
+    """A batch whose planned JPEGs decode on the device when it is collected (the assembly thread,
+    inside the engine's stream: the device loop's forward follows them there in order); the other
+    images are on the CPU path already, and the device's refusals join them there."""
+
+    def __init__(self, decoder: Decoder, spec: InputSpec, data: list[bytes], on_cpu: PendingDecode | None,
+                 cpu_indices: list[int]) -> None:
+        self.decoder, self.spec, self.data, self.on_cpu, self.cpu_indices = decoder, spec, data, on_cpu, cpu_indices
+
+    def result(self) -> list[Row]:
+        device = self.decoder.device_decoder
+        assert device is not None
+        rows: list[Row | None] = [None] * len(self.data)
+        on_cpu = set(self.cpu_indices)
+        planned = [i for i in range(len(self.data)) if i not in on_cpu]
+        with self.decoder.device_context():
+            decoded = device.decode_planned([self.data[i] for i in planned], self.spec)
+            refused = [i for i, row in zip(planned, decoded, strict=True) if row is None]
+            for i, row in zip(planned, decoded, strict=True):
+                rows[i] = row
+            cpu_rows: list[np.ndarray | BadImage] = self.on_cpu.result() if self.on_cpu is not None else []
+            if refused:  # what nvJPEG refused: the CPU path, in the decoding processes
+                cpu_rows = [*cpu_rows, *self.decoder.start_on_cpu([self.data[i] for i in refused], self.spec).result()]
+            for i, cpu_row in zip([*self.cpu_indices, *refused], cpu_rows, strict=True):
+                rows[i] = cpu_row if isinstance(cpu_row, BadImage) else torch.from_numpy(cpu_row).to(device.device)
+        return [row for row in rows if row is not None]
+
+
 class Decoder:
     """A batch's images decoded in order: on the intake thread while they are cheap, else one
     contiguous chunk per decoding process, so the intake can take the next batch off the list
-    while they decode (a lone image never leaves the intake)."""
+    while they decode (a lone image never leaves the intake); with a device decoder, its JPEGs
+    on the device (`DevicePendingDecode`)."""
 
-    def __init__(self, processes: int, max_pixels: int, timeout_s: float | None = None) -> None:
+    def __init__(self, processes: int, max_pixels: int, timeout_s: float | None = None, *,
+                 device_decoder: DeviceJpegDecoder | None = None,
+                 device_context: Callable[[], AbstractContextManager[None]] | None = None) -> None:
         self.max_pixels = max_pixels
         self.split = DecodeSplit(processes)
         self.processes = DecodeProcesses(processes, max_pixels, timeout_s)
+        self.device_decoder = device_decoder
+        self.device_context = device_context or _no_context
 
-    def start(self, data: list[bytes], meta: ModelMeta) -> PendingDecode:
+    def start(self, data: list[bytes], meta: ModelMeta) -> PendingDecode | DevicePendingDecode:
         spec = InputSpec.of(meta.preprocessing)
+        if self.device_decoder is None:
+            return self.start_on_cpu(data, spec)
+        cpu_indices = [i for i, blob in enumerate(data) if device_jpeg_plan(blob, spec, self.max_pixels) is None]
+        on_cpu = self.start_on_cpu([data[i] for i in cpu_indices], spec) if cpu_indices else None
+        return DevicePendingDecode(self, spec, data, on_cpu, cpu_indices)
+
+    def start_on_cpu(self, data: list[bytes], spec: InputSpec) -> PendingDecode:
         chunks = self.split.chunks(len(data))
         if chunks <= 1:
             chunk = decode_chunk(data, spec, self.max_pixels)
@@ -120,8 +172,14 @@ class Decoder:
         chunk = Chunk(rows, failures, 0.0)  # type: ignore[arg-type]  # a list of rows, as ndarray's rows read
         return PendingDecode(self, InputSpec.of(pre), [data], [], done=[chunk])
 
-    def decode_all(self, data: list[bytes], meta: ModelMeta) -> list[np.ndarray | BadImage]:
-        return self.start(data, meta).result()
+    def decode_all(self, data: list[bytes], meta: ModelMeta) -> list[Row]:
+        return list(self.start(data, meta).result())
 
     def shutdown(self) -> None:
         self.processes.shutdown()
+
+
+def _no_context() -> AbstractContextManager[None]:
+    import contextlib
+
+    return contextlib.nullcontext()

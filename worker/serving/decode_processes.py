@@ -8,10 +8,11 @@ What they cost the worker is each image's bytes pickled in and its array pickled
 fraction of a photo's decode; small images, for which that would not pay, are decoded in the
 worker's own thread (worker/serving/decode.DecodeSplit).
 
-This module imports no torch (nor does worker/data/image_array.py), so a decoding process starts in
-milliseconds from the worker's forkserver (worker/data/forkserver.py: a clean process started with the
-worker, safe in a worker that runs threads and holds a CUDA context, this module preloaded) and
-stays small; decoding processes end with the worker however it ends.
+This module imports no torch, so a decoding process starts in milliseconds from the worker's
+forkserver (worker/data/forkserver.py: a clean process started with the worker, safe in a worker that
+runs threads and holds a CUDA context, this module preloaded); it imports torch and torchvision
+on a thread from its first JPEG for torchvision (worker/data/torch_jpeg.py; Pillow decodes until
+they are in), and never touches a device. Decoding processes end with the worker however it ends.
 
 A decoding process can die at any moment (a decoder crash on a hostile file, the OOM killer, any
 signal), which breaks its pool, or stop (a stuck decoder, SIGSTOP, a thrashing host), which would

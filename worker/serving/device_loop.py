@@ -206,7 +206,7 @@ class DeviceLoop:
         if self._most_threads <= 1:
             self.cores_free.set()
 
-    def _forward(self, group: PreparedGroup, arrays: list[np.ndarray]) -> torch.Tensor:
+    def _forward(self, group: PreparedGroup, arrays: list[np.ndarray | torch.Tensor]) -> torch.Tensor:
         """Probabilities (on the host) of `arrays` (of `group`'s encoding), padded to a bucketed size where that pays."""
         forward = group.entry.forward_for(group.encoding)
         assert self._staging is not None

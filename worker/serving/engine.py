@@ -41,7 +41,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
 import redis
 import torch
 
@@ -54,7 +53,8 @@ from worker.device.cpu_threads import ForwardThreads, pin_to_one_thread, usable_
 from worker.device.health import DeviceHealth
 from worker.device.pinning import WorkerDevice
 from worker.serving.batching import BatchWindow
-from worker.serving.decode import Decoder, PendingDecode
+from worker.serving.decode import Decoder, DevicePendingDecode, PendingDecode
+from worker.serving.device_decode import DeviceJpegDecoder
 from worker.serving.device_loop import DeviceLoop
 from worker.serving.model_cache import ModelCache, ResidentModel
 from worker.serving.replies import PreparedGroup, send_results
@@ -68,6 +68,7 @@ POLL_MIN_S = 0.0002  # while a batch waits for the device, or while requests are
 REPLY_THREADS = 2  # one answers a batch while the next one's answers may already be due
 DECODING_AHEAD = 2  # batches decoding while the device loop holds one: the processes stay busy
 DECODE_TIMEOUT_S: float = Settings.model_fields["predict_decode_timeout_s"].default
+DECODE_BATCH_PIXELS: int = Settings.model_fields["decode_batch_pixels"].default
 
 
 @dataclass
@@ -77,7 +78,7 @@ class Decoding:
     job_id: str
     entry: ResidentModel
     requests: list[PredictRequest]
-    pending: PendingDecode
+    pending: PendingDecode | DevicePendingDecode
     encoding: Encoding = "image"
 
 
@@ -85,21 +86,27 @@ class InferenceServer:
     def __init__(self, client: redis.Redis, device: WorkerDevice, cache: ModelCache, *, max_batch: int,
                  max_wait_ms: float, max_pixels: int, cpu_threads: int | None = None,
                  decode_processes: int | None = None, decode_timeout_s: float = DECODE_TIMEOUT_S,
-                 pad_to_buckets: bool | None = None,
+                 pad_to_buckets: bool | None = None, device_decode: bool = False,
+                 decode_batch_pixels: int = DECODE_BATCH_PIXELS,
                  job_running: Callable[[], bool] | None = None, health: DeviceHealth | None = None,
                  on_broken: Callable[[str], None] = lambda reason: None) -> None:
         """`client` must not decode responses (requests are binary frames). A CPU device's forward
         runs on all the cores for a heavy model (or `cpu_threads` for every model) while no job
         runs on this worker, on one for a light model, on one while a job runs (worker/device/cpu_threads.py).
         Padding to bucketed sizes pays on a GPU and costs on a CPU; the tests turn it on for the
-        CPU to run the same path."""
+        CPU to run the same path. `device_decode`: a batch's JPEGs decoded on the device
+        (worker/serving/device_decode.py; the runtime sets it on a CUDA worker from TORCHYARD_DECODE, the
+        tests on a CPU one to run its path: torchvision decodes there the same way)."""
         self.device = device
         self.cache = cache
         self.max_batch = max_batch
         self.transport = Transport(client, device.id)
         self.stats = InferenceStats(cache.stats)
         self.window = BatchWindow(max_batch, max_wait_ms / 1000)
-        self.decoder = Decoder(decode_processes or usable_cores(), max_pixels, decode_timeout_s)
+        device_decoder = (DeviceJpegDecoder(torch.device(device.torch_device), max_pixels, decode_batch_pixels)
+                          if device_decode else None)
+        self.decoder = Decoder(decode_processes or usable_cores(), max_pixels, decode_timeout_s,
+                               device_decoder=device_decoder, device_context=lambda: self.device_loop.stream())
         # Replies are sent from threads of their own while the device computes the next batch; torch
         # ops there (top-k) must not start an OpenMP team (worker/device/cpu_threads.py).
         self._replies = ThreadPoolExecutor(REPLY_THREADS, thread_name_prefix="torchyard-replies",
@@ -244,6 +251,7 @@ class InferenceServer:
                 continue
             try:
                 items = [request.image(i)[1] for request in group for i in range(request.image_count)]
+                pending: PendingDecode | DevicePendingDecode
                 if encoding == "fp32":
                     shapes = [request.header.shape for request in group for _ in range(request.image_count)]
                     pending = self.decoder.start_tensors(items, shapes, entry.meta)
@@ -277,11 +285,20 @@ class InferenceServer:
                 groups = [group for decoding in batch if (group := self._assemble(decoding)) is not None]
                 if groups:
                     self.device_loop.hand_over(groups)
-            except Exception:  # a failure answers its callers and never stops the thread
+            except Exception as exc:  # a failure answers its callers and never stops the thread
                 self.stats.failed()
-                log.exception("assembling a batch failed")
+                # A sticky device error from decoding on the device (nvJPEG: worker/serving/device_decode.py)
+                # takes the worker out of service as the forward's would (device_loop.DeviceLoop._run).
+                health = self.device_loop.health
+                reason = health.job_failed(exc) if health is not None else None
+                if reason is None:
+                    log.exception("assembling a batch failed")
+                detail = (f"the device {self.device.id} is out of service: {reason}" if reason is not None
+                          else f"inference failed on {self.device.id}")
                 for decoding in batch:
-                    self.transport.send_errors(decoding.requests, 503, f"inference failed on {self.device.id}")
+                    self.transport.send_errors(decoding.requests, 503, detail)
+                if reason is not None:
+                    self.device_loop.on_broken(reason)
             finally:
                 self._count_assembling(-1)
 
@@ -304,7 +321,7 @@ class InferenceServer:
                 self.transport.send_errors([request], bad.status, f"{request.header.images[index][0] or 'image'}: {bad}")
                 continue
             prepared.owners.append((request, len(prepared.arrays)))
-            prepared.arrays.extend(d for d in mine if isinstance(d, np.ndarray))
+            prepared.arrays.extend(d for d in mine if not isinstance(d, BadImage))  # host arrays or device rows
         return prepared if prepared.arrays else None
 
     def _resident(self, job_id: str) -> ResidentModel:

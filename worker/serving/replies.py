@@ -30,7 +30,7 @@ class PreparedGroup:
 
     job_id: str
     entry: ResidentModel
-    arrays: list[np.ndarray] = field(default_factory=list)
+    arrays: list[np.ndarray | torch.Tensor] = field(default_factory=list)  # host arrays, or rows decoded on the device
     owners: list[tuple[PredictRequest, int]] = field(default_factory=list)  # request, index of its first image
     encoding: Encoding = "image"  # what `arrays` are: decoded images (uint8) or preprocessed inputs (float32)
 

@@ -25,6 +25,7 @@ from PIL import Image
 from tests.datagen import one_by_one, write_photo_set
 from tests.support import REPO, hold_flock
 from worker.data.datasets import CacheWriter, DecodeWaitExpired, load_image_folder
+from worker.data.image_array import TRANSFORM_VERSION
 from worker.runtime.job_context import StopJob
 
 LOADER = r"""
@@ -144,7 +145,7 @@ def test_a_cache_unreadable_after_the_wait_fails_with_its_own_error(
     try:
         waiter = start_loader(root)
         wait_for_line(waiter.stderr, WAITING)
-        (folder / "3x224x224-t2.pt").write_bytes(b"not a torch file")
+        (folder / f"3x224x224-t{TRANSFORM_VERSION}.pt").write_bytes(b"not a torch file")
     finally:
         os.close(holder)
     _, err = waiter.communicate(timeout=60)
@@ -189,7 +190,7 @@ def test_a_cache_half_written_by_a_killed_worker_is_never_read(
     expected = one_by_one(files, 3, 224, 224)
     digest = hashlib.sha256(expected.tobytes() + np.repeat([0, 1], 100).astype(np.int64).tobytes()).hexdigest()
     folder = root.parent / ".ds.cache"
-    cache = folder / "3x224x224-t2.pt"
+    cache = folder / f"3x224x224-t{TRANSFORM_VERSION}.pt"
 
     doomed = start_loader(root, "train")
     deadline = time.monotonic() + 120

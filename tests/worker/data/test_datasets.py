@@ -29,6 +29,7 @@ from tests.datagen import (
     write_photo_set,
 )
 from worker.data.datasets import CacheWriter, DatasetUnavailable, load_fake, load_image_folder, load_torchvision, split
+from worker.data.image_array import TRANSFORM_VERSION
 
 LIMITS = ArchiveLimits(max_entries=10_000, max_uncompressed_bytes=10**9, max_ratio=200.0, max_image_pixels=10**7)
 
@@ -132,7 +133,7 @@ def test_a_set_decoded_by_the_pool_is_each_file_through_the_transform(tmp_path: 
     assert skipped == [f"skipping unreadable image {root / 'a' / '0005.jpg'}",
                        f"skipping unreadable image {root / 'b' / 'notes.txt'}"]
     CacheWriter.wait()  # the job does not wait for its cache; the test does
-    assert sorted(p.name for p in cache.glob("*.pt")) == ["3x32x32-t2.pt"]  # the stale cache is gone
+    assert sorted(p.name for p in cache.glob("*.pt")) == [f"3x32x32-t{TRANSFORM_VERSION}.pt"]  # the stale cache is gone
     again = load_image_folder(root, 3, 32, 32)
     assert torch.equal(again.images, data.images) and torch.equal(again.labels, data.labels)
 

@@ -16,7 +16,14 @@ from tests.datagen import photo_jpeg
 from tests.worker.serving.test_engine import _encode, _rgb
 from worker.checkpoints.format import Preprocessing
 from worker.data.datasets import load_image_folder
-from worker.data.image_array import BadImage, InputSpec, apply_preprocessing, decode_image, image_to_array
+from worker.data.image_array import (
+    JPEG_TOLERANCE_MAX,
+    BadImage,
+    InputSpec,
+    apply_preprocessing,
+    decode_image,
+    image_to_array,
+)
 
 # Mean absolute difference, in uint8 levels, between the draft path and the full decode of the
 # same file: what was measured is in docs/benchmarks.md, "Dataset decode".
@@ -82,7 +89,10 @@ def test_decode_matches_the_training_transform(fmt: str, kw: dict) -> None:
     expected = image_to_array(Image.open(io.BytesIO(data)), 3, 32, 32)  # training's transform
     decoded = decode_image(data, SPEC, max_pixels=10_000)
     assert decoded.shape == (3, 32, 32) and decoded.dtype == np.uint8
-    assert np.array_equal(decoded, expected)
+    if fmt == "JPEG":  # at full scale: torchvision's decoder, within the contract's tolerance (test_torch_jpeg.py)
+        assert np.abs(decoded.astype(int) - expected.astype(int)).max() <= JPEG_TOLERANCE_MAX
+    else:
+        assert np.array_equal(decoded, expected)
     if fmt != "JPEG":  # lossless formats decode to exactly the resized source
         source = np.asarray(_rgb(1, (48, 40)).resize((32, 32), Image.Resampling.BILINEAR)).transpose(2, 0, 1)
         assert np.array_equal(decoded, source)

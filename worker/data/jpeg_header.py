@@ -1,0 +1,73 @@
+"""A JPEG's frame header (SOF) read from its bytes, before any decoder sees them.
+
+Why a parser of our own: torchvision's `decode_jpeg` has no header-only call, so the pixel limit
+that Pillow's lazy `Image.open` enforces before decoding (a decompression bomb costs nothing until
+it is refused) must be checked here for the faster decoder too; and the same header says whether
+that decoder takes the file at all (worker/data/image_array.py's `fast_jpeg_plan`). The parser
+walks the marker segments up to the first frame header or the scan, with bounded steps; anything
+it does not understand is answered with None, and the file then goes to Pillow, which either
+decodes it or refuses it (415) as before. No torch here: the decision is made before any import.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+# Frame headers (ITU T.81 B.1.1.3): Huffman baseline, extended, progressive; the others (lossless,
+# arithmetic coding, hierarchical) are named so the walk stops at them and the file goes to Pillow.
+HUFFMAN_FRAMES = (0xC0, 0xC1, 0xC2)
+OTHER_FRAMES = (0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF)
+START_OF_SCAN = 0xDA
+# Markers without a length (TEM, RSTn, SOI, EOI).
+STANDALONE = (0x01, *range(0xD0, 0xDA))
+MAX_SEGMENTS = 512  # APPn/COM segments before the frame: a real file has a handful
+
+
+class JpegHeader(NamedTuple):
+    width: int
+    height: int
+    components: int  # 1 grayscale, 3 YCbCr (or RGB), 4 CMYK/YCCK
+    precision: int  # bits per sample: 8, or 12 (which the fast decoder does not take)
+    huffman: bool  # baseline, extended or progressive Huffman coding (what libjpeg decodes everywhere)
+    frame: int  # the SOFn marker's byte: 0xC0 baseline, 0xC1 extended, 0xC2 progressive, ...
+
+
+def is_jpeg(data: bytes | memoryview) -> bool:
+    return bytes(data[:3]) == b"\xff\xd8\xff"
+
+
+def read_header(data: bytes | memoryview) -> JpegHeader | None:
+    """The first frame header of a JPEG (a multi-picture file's first picture), or None when
+    `data` is not a JPEG this parser reads to its frame (truncated, a height left to a DNL marker,
+    a malformed segment)."""
+    if not is_jpeg(data):
+        return None
+    at, end = 2, len(data)
+    for _ in range(MAX_SEGMENTS):
+        while at < end and data[at] == 0xFF:  # a marker, after any fill bytes
+            at += 1
+        if at >= end or at < 3 or data[at - 1] != 0xFF:
+            return None
+        marker = data[at]
+        at += 1
+        if marker in STANDALONE:
+            continue
+        if at + 2 > end:
+            return None
+        length = (data[at] << 8) | data[at + 1]
+        if length < 2 or at + length > end:
+            return None
+        if marker in HUFFMAN_FRAMES or marker in OTHER_FRAMES:
+            if length < 8:
+                return None
+            precision = data[at + 2]
+            height = (data[at + 3] << 8) | data[at + 4]
+            width = (data[at + 5] << 8) | data[at + 6]
+            components = data[at + 7]
+            if width == 0 or height == 0:
+                return None
+            return JpegHeader(width, height, components, precision, marker in HUFFMAN_FRAMES, marker)
+        if marker == START_OF_SCAN:
+            return None  # a scan before any frame: not a file we decode ourselves
+        at += length
+    return None
