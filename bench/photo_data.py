@@ -9,6 +9,7 @@ per-pixel noise. Generated in spawned processes (numpy and Pillow only), one per
 
 from __future__ import annotations
 
+import functools
 import io
 import multiprocessing
 import os
@@ -24,42 +25,48 @@ CLASSES = 10
 SAMPLE_SEED = 1_000_003  # the /predict image: drawn like the dataset's, in none of them
 
 
-def photo(seed: int, label: int) -> np.ndarray:
-    """HEIGHT×WIDTH×3 uint8."""
+TINT = 0.4  # the class's share of each image's colour field: its learnable signal
+
+
+def photo(seed: int, label: int, width: int = WIDTH, height: int = HEIGHT, tint: float = TINT) -> np.ndarray:
+    """height×width×3 uint8. A smaller `tint` makes the classes harder to tell apart: the class's
+    colour shift sinks into the random field (bench/sweep.py's set, where trials must differ)."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
-    tint = np.array([(label * 0.1) % 1.0, (label * 0.37) % 1.0, (label * 0.73) % 1.0])
-    coarse = 0.6 * (rng.random((4, 5, 3)) * 0.6 + 0.2) + 0.4 * tint
-    field = Image.fromarray((coarse * 255).astype(np.uint8)).resize((WIDTH, HEIGHT), Image.Resampling.BICUBIC)
-    grain = rng.standard_normal((HEIGHT // 6 + 1, WIDTH // 6 + 1)) * 30 + 128
-    texture = Image.fromarray(grain.clip(0, 255).astype(np.uint8)).resize((WIDTH, HEIGHT), Image.Resampling.BICUBIC)
+    shift = np.array([(label * 0.1) % 1.0, (label * 0.37) % 1.0, (label * 0.73) % 1.0])
+    coarse = (1 - tint) * (rng.random((4, 5, 3)) * 0.6 + 0.2) + tint * shift
+    field = Image.fromarray((coarse * 255).astype(np.uint8)).resize((width, height), Image.Resampling.BICUBIC)
+    grain = rng.standard_normal((height // 6 + 1, width // 6 + 1)) * 30 + 128
+    texture = Image.fromarray(grain.clip(0, 255).astype(np.uint8)).resize((width, height), Image.Resampling.BICUBIC)
     image = (np.asarray(field, dtype=np.float32) + np.asarray(texture, dtype=np.float32)[..., None] - 128
-             + rng.normal(0, 5.0, (HEIGHT, WIDTH, 3)).astype(np.float32))
+             + rng.normal(0, 5.0, (height, width, 3)).astype(np.float32))
     return image.clip(0, 255).astype(np.uint8)
 
 
-def jpeg(seed: int, label: int) -> bytes:
+def jpeg(seed: int, label: int, width: int = WIDTH, height: int = HEIGHT, tint: float = TINT) -> bytes:
     from PIL import Image
 
     buffer = io.BytesIO()
-    Image.fromarray(photo(seed, label)).save(buffer, format="JPEG", quality=QUALITY)
+    Image.fromarray(photo(seed, label, width, height, tint)).save(buffer, format="JPEG", quality=QUALITY)
     return buffer.getvalue()
 
 
-def _chunk(indices: list[int]) -> list[tuple[int, bytes]]:
-    return [(i, jpeg(i, i % CLASSES)) for i in indices]
+def _chunk(indices: list[int], width: int = WIDTH, height: int = HEIGHT, tint: float = TINT) -> list[tuple[int, bytes]]:
+    return [(i, jpeg(i, i % CLASSES, width, height, tint)) for i in indices]
 
 
-def write_dataset_zip(path: Path, count: int, processes: int | None = None) -> dict[str, float]:
+def write_dataset_zip(path: Path, count: int, processes: int | None = None, *, width: int = WIDTH,
+                      height: int = HEIGHT, tint: float = TINT) -> dict[str, float]:
     """`count` photos as an ImageFolder zip (`class<k>/photo<i>.jpg`, stored: JPEG does not
     compress); {"photos", "bytes", "mean_jpeg_bytes"}."""
     workers = max(1, min(processes or os.cpu_count() or 1, count))
     chunks = [list(range(k, count, workers)) for k in range(workers)]
     total = 0
+    make = functools.partial(_chunk, width=width, height=height, tint=tint)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool, \
             zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
-        for done in pool.map(_chunk, chunks):
+        for done in pool.map(make, chunks):
             for i, data in done:
                 archive.writestr(f"class{i % CLASSES}/photo{i:05d}.jpg", data)
                 total += len(data)

@@ -1,19 +1,26 @@
 """Sweeps: where Optuna's study lives, and a sweep through the service with and without pruning.
 
     flock /tmp/torchyard-bench.lock .venv/bin/python bench/sweep.py [--trials 16] [--workers 1]
-        [--epochs-high 4] [--space narrow|issue] [--storage-trials 100] [--no-write-docs]
+        [--epochs-low 2] [--epochs-high 4] [--space narrow|issue] [--startup-trials 4] [--warmup-epochs 0]
+        [--data fake|photos] [--photos 3000] [--tint 0.2] [--val-fraction 0.15]
+        [--storage-trials 100] [--no-write-docs]
 
 (a) The study's storage: `--storage-trials` ask + tell pairs (the coordinator's work per trial) on
     Optuna's JournalStorage over an embedded Redis (unix socket, AOF everysec: the service's own)
     and over a journal file under a temporary data dir (JournalFileBackend), and the time a fresh
     process takes to open the study with that many trials (what an API process pays after a restart).
 (b) Through the service, as real processes: an embedded Redis, the API and `--workers` CPU workers.
-    The same sweep (cifar_net on `fake`, TPE, seed 0; learning_rate log 1e-3..0.1, weight_decay
-    0..0.1, batch_size 64|128, epochs 2..`--epochs-high`, early stopping off) with the median
-    pruner (startup_trials 4) and with none, `parallel` = the workers; `--space issue` searches the
-    issue's example ranges (learning_rate 1e-4..0.1, batch 32|64|128) instead. Device busy: the trials'
-    jobs' running time (started_at..finished_at, summed) over the sweep's wall time × workers;
-    epochs: every epoch the trials' jobs ran; best: the sweep's best val_accuracy.
+    The same sweep (cifar_net, TPE, seed 0; learning_rate log 1e-3..0.1, weight_decay 0..0.1,
+    batch_size 64|128, epochs `--epochs-low`..`--epochs-high`, not searched when they are equal;
+    early stopping off) with the median pruner (`--startup-trials`, `--warmup-epochs`: its
+    n_startup_trials and n_warmup_steps) and with none, `parallel` = the workers; `--space issue`
+    searches the issue's example ranges (learning_rate 1e-4..0.1, batch 32|64|128) instead. On
+    `fake` (`--data fake`: most trials reach val_accuracy 1.0 within two epochs, so they tie) or
+    on a harder photo set (`--data photos`: bench/photo_data.py's photo-like JPEGs at 32×32 with a
+    fainter class tint, uploaded as an ImageFolder zip; trials differ and keep improving). Device
+    busy: the trials' jobs' running time (started_at..finished_at, summed) over the sweep's wall
+    time × workers; epochs: every epoch the trials' jobs ran; best: the sweep's best val_accuracy;
+    each trial's state, epochs and value in the JSON.
 """
 
 from __future__ import annotations
@@ -89,7 +96,19 @@ def storage(trials: int) -> dict[str, Any]:
     return out
 
 
-def service(trials: int, workers: int, epochs_high: int, space: dict[str, Any]) -> dict[str, Any]:
+def photo_set(root: Path, photos: int, tint: float) -> Path:
+    """The harder set: bench/photo_data.py's photo-like JPEGs at 32×32 (cifar_net's input), the
+    class's colour shift `tint` (0.4 in bench/photos.py's set; at 0.2 the classes overlap, so
+    trials differ by their recipe and keep improving over epochs instead of all reaching 1.0)."""
+    from bench.photo_data import write_dataset_zip
+
+    path = root / "photos.zip"
+    write_dataset_zip(path, photos, width=32, height=32, tint=tint)
+    return path
+
+
+def service(trials: int, workers: int, epochs: tuple[int, int], space: dict[str, Any], *, startup_trials: int,
+            warmup_epochs: int, data: str, photos: int, tint: float, val_fraction: float) -> dict[str, Any]:
     import httpx
 
     from app.embedded_redis import EmbeddedRedis
@@ -103,16 +122,24 @@ def service(trials: int, workers: int, epochs_high: int, space: dict[str, Any]) 
         procs.worker("cpu", name=f"w{k}", TORCHYARD_NODE_NAME=f"w{k}")
     port = free_port()
     procs.api(port)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
     results: dict[str, Any] = {}
     try:
         wait_until(lambda: sum(d["status"] == "idle" for d in client.get("/devices").json()["devices"]) >= workers,
                    timeout=240, what="the workers")
+        base: dict[str, Any] = {"model": "cifar_net", "dataset": "fake", "epochs": epochs[1], "patience": 0}
+        if data == "photos":
+            with open(photo_set(root, photos, tint), "rb") as archive:
+                uploaded = client.post("/datasets", files={"file": ("photos.zip", archive, "application/zip")},
+                                       data={"name": "sweep-photos"})
+            assert uploaded.status_code == 201, uploaded.text
+            base.update(dataset=uploaded.json()["id"], val_fraction=val_fraction)
+        searched = dict(space)
+        if epochs[0] < epochs[1]:
+            searched["epochs"] = {"type": "int", "low": epochs[0], "high": epochs[1]}
         for pruner in ("median", "none"):
-            body = {"base": {"model": "cifar_net", "dataset": "fake", "epochs": 2, "patience": 0},
-                    "space": {**space, "epochs": {"type": "int", "low": 2, "high": epochs_high}},
-                    "trials": trials, "parallel": workers, "sampler": "tpe", "pruner": pruner,
-                    "startup_trials": 4, "seed": 0}
+            body = {"base": base, "space": searched, "trials": trials, "parallel": workers, "sampler": "tpe",
+                    "pruner": pruner, "startup_trials": startup_trials, "warmup_epochs": warmup_epochs, "seed": 0}
             started = time.perf_counter()
             created = client.post("/sweeps", json=body)
             assert created.status_code == 201, created.text
@@ -131,6 +158,9 @@ def service(trials: int, workers: int, epochs_high: int, space: dict[str, Any]) 
                 "epochs_run": sum(len(j["metrics"]) for j in jobs),
                 "pruned": sum(t["state"] == "pruned" for t in sweep["trials"]),
                 "best": sweep["best"]["value"] if sweep["best"] else None,
+                "best_trial": sweep["best"]["number"] if sweep["best"] else None,
+                "trials": [{"number": t["number"], "state": t["state"], "epochs": len(j["metrics"]),
+                            "value": t["value"], "params": t["params"]} for t, j in zip(sweep["trials"], jobs, strict=True)],
             }
     finally:
         client.close()
@@ -150,11 +180,20 @@ def main() -> None:
     parser.add_argument("--epochs-high", type=int, default=4)
     parser.add_argument("--storage-trials", type=int, default=100)
     parser.add_argument("--space", choices=sorted(SPACES), default="narrow")
+    parser.add_argument("--epochs-low", type=int, default=2, help="equal to --epochs-high: epochs not searched")
+    parser.add_argument("--startup-trials", type=int, default=4, help="the median pruner's n_startup_trials")
+    parser.add_argument("--warmup-epochs", type=int, default=0, help="the median pruner's n_warmup_steps")
+    parser.add_argument("--data", choices=("fake", "photos"), default="fake")
+    parser.add_argument("--photos", type=int, default=3000, help="--data photos: images in the set")
+    parser.add_argument("--tint", type=float, default=0.2, help="--data photos: the class's colour shift")
+    parser.add_argument("--val-fraction", type=float, default=0.15, help="--data photos: the validation split")
     parser.add_argument("--no-write-docs", action="store_true")
     args = parser.parse_args()
     load_before = load_average()
     stored = storage(args.storage_trials)
-    swept = service(args.trials, args.workers, args.epochs_high, SPACES[args.space])
+    swept = service(args.trials, args.workers, (args.epochs_low, args.epochs_high), SPACES[args.space],
+                    startup_trials=args.startup_trials, warmup_epochs=args.warmup_epochs, data=args.data,
+                    photos=args.photos, tint=args.tint, val_fraction=args.val_fraction)
     report = {"storage": stored, "service": swept, "host": machine(), "load_before": load_before,
               "load_after": load_average(), "args": vars(args)}
     print(json.dumps(report, indent=2))

@@ -1,7 +1,8 @@
 """Jobs as MLflow runs and aliases as registered models, against a real `mlflow server` (SQLite
 store, local artifacts, proxied), read back only through MLflow's public client. The faults are
 real: the server SIGKILLed mid-job and started again on its store, the worker SIGKILLed mid-epoch;
-and a server that is never there."""
+a gang on two tracking workers; and tracking that cannot work (never there, a path the server does
+not serve with wrong credentials, a scheme MLflow refuses), with /predict answered beside it."""
 
 from __future__ import annotations
 
@@ -17,7 +18,18 @@ import pytest
 
 from harness.mlflow_server import MlflowServer
 from harness.processes import REPO, cli
-from tests.support import Processes, flush, free_port, get_job, submit_cifar, wait_for_job, wait_until, with_db
+from tests.support import (
+    Processes,
+    flush,
+    free_port,
+    get_job,
+    pattern_png,
+    submit_cifar,
+    two_hosts,
+    wait_for_job,
+    wait_until,
+    with_db,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -158,27 +170,75 @@ def test_aliases_as_registered_versions_and_evaluations_as_child_runs(tracked: d
     assert tuned.data.tags["torchyard.parent_run_id"] == runs[first] and tuned.data.params["init_from"] == first
 
 
-def test_a_server_never_there_costs_the_job_nothing(redis_base_url: str, tmp_path: Path) -> None:
-    """Tracking to a port nothing listens on: the job succeeds, and its record (and the CLI's `job`)
-    says what is behind."""
+# What a tracking URI that cannot work looks like to the job: a port nothing listens on; the real
+# server addressed under a path it does not serve (it answers 404), with wrong credentials in MLflow's
+# own variables (MLflow's basic-auth server app needs Flask-WTF, `mlflow[auth]`, which the test
+# environment does not install, so no real server here refuses a password); a scheme MLflow's
+# client refuses to make a store for.
+UNREACHABLE = {
+    "never there": lambda server: (f"http://127.0.0.1:{free_port()}", {}),
+    "refused": lambda server: (f"{server.url}/no-mlflow-here", {"MLFLOW_TRACKING_USERNAME": "nobody",
+                                                                "MLFLOW_TRACKING_PASSWORD": "wrong"}),
+    "unknown scheme": lambda server: ("nowhere://tracking", {}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNREACHABLE))
+def test_a_server_that_cannot_be_used_costs_the_job_nothing(tracked: dict, redis_base_url: str, case: str,
+                                                            tmp_path: Path) -> None:
+    """Tracking that cannot work (see UNREACHABLE): the job succeeds, and its record (and the
+    CLI's `job`) says what is behind and why."""
+    uri, credentials = UNREACHABLE[case](tracked["server"])
     url = with_db(redis_base_url, DB - 1)
     flush(url)
-    procs = Processes(url, tmp_path / "data", tmp_path / "logs",
-                      TORCHYARD_MLFLOW_TRACKING_URI=f"http://127.0.0.1:{free_port()}", **FAST)
-    procs.worker("cpu", name="nomlflow", TORCHYARD_NODE_NAME="nomlflow")
+    procs = Processes(url, tmp_path / "data", tmp_path / "logs", TORCHYARD_MLFLOW_TRACKING_URI=uri, **FAST,
+                      **credentials)
+    worker = procs.worker("cpu", name="nomlflow", TORCHYARD_NODE_NAME="nomlflow")
     base = procs.ready_api()
     client = httpx.Client(base_url=base, timeout=60)
     try:
-        job_id = submit_cifar(client, 1)
+        job_id = submit_cifar(client, 2)
         done = wait_for_job(client, job_id, {"succeeded", "failed"}, timeout=240)
         assert done["status"] == "succeeded", done.get("error")
+        assert len(done["metrics"]) == 2
         record = wait_until(lambda: (run := get_job(client, job_id)["mlflow"]) and "status succeeded" in run["behind"]
                             and run, timeout=60, what="the record to say what is behind")
-        assert record["run_id"] is None and record["behind"][0] == "the run" and record["error"], record
+        assert record["run_id"] is None and record["behind"][:2] == ["the run", "2 epochs"], record
+        assert record["error"], record
         shown = subprocess.run([*cli("--url", base, "job", job_id)], cwd=REPO, capture_output=True, text=True,
                                timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)}, stdin=subprocess.DEVNULL)
         assert shown.returncode == 0, shown.stderr
         assert "mlflow" in shown.stdout and "no run yet; behind: the run" in shown.stdout, shown.stdout
+        # /predict while the tracking thread keeps failing beside it: answered by the same worker.
+        answer = client.post("/predict", data={"job_id": job_id}, files={"file": ("p.png", pattern_png(3), "image/png")})
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["device"] == "nomlflow/cpu" and answer.json()["results"][0]["predictions"]
+        assert worker.poll() is None  # the worker is still up, and takes the next job
+        assert wait_for_job(client, submit_cifar(client, 1), {"succeeded", "failed"}, timeout=240)["status"] == "succeeded"
     finally:
         client.close()
         procs.stop_all()
+
+
+def test_a_gang_is_one_run_each_epoch_once(tracked: dict, tmp_path: Path) -> None:
+    """A 2-rank job on two tracking workers (two "hosts" on their own Redis, the module's server):
+    one run, each epoch's metrics once (rank 0's record), FINISHED, the weights logged."""
+    mlflow, epochs = tracked["mlflow"], 2
+    with two_hosts(tmp_path, timeout=240, TORCHYARD_MLFLOW_TRACKING_URI=tracked["server"].url,
+                   TORCHYARD_ADVERTISE_ADDRESS="127.0.0.1", OMP_NUM_THREADS="1", **FAST) as hosts:
+        client = hosts["client"]
+        job_id = submit_cifar(client, epochs, world_size=2, batch_size=32, seed=3)
+        done = wait_for_job(client, job_id, {"succeeded", "failed", "cancelled"}, timeout=300)
+        assert done["status"] == "succeeded", done.get("error")
+        assert done["world_size"] == 2 and len(done["metrics"]) == epochs
+        run_field = run_complete(client, job_id)
+    runs = mlflow.search_runs([run_field["experiment_id"]], filter_string=f"tags.`torchyard.job_id` = '{job_id}'")
+    assert [r.info.run_id for r in runs] == [run_field["run_id"]]
+    run = mlflow.get_run(run_field["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["torchyard.job_id"] == job_id
+    for metric in ("train_loss", "val_accuracy", "images_per_second"):
+        steps = [m.step for m in mlflow.get_metric_history(run.info.run_id, metric)]
+        assert sorted(steps) == list(range(1, epochs + 1)), (metric, steps)
+    assert {m.step: m.value for m in mlflow.get_metric_history(run.info.run_id, "train_loss")} == pytest.approx(
+        {m["epoch"]: m["train_loss"] for m in done["metrics"]})
+    assert "model/state_dict.pt" in {f.path for f in mlflow.list_artifacts(run.info.run_id, "model")}

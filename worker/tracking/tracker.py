@@ -73,6 +73,8 @@ class Tracker:
         self._aliases: Any = None  # worker/tracking/registry.AliasSync
         self._shipped: dict[str, tuple[Any, ...]] = {}  # job → the record's fingerprint last shipped in full
         self._failures: dict[str, int] = {}  # job → consecutive failures (its backoff)
+        self._hold = ""  # the lock of the job being shipped, renewed before each write
+        self._client_error = ""  # why MLflow's client could not be made, as last logged
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="mlflow-tracking", daemon=True)
@@ -86,6 +88,8 @@ class Tracker:
             self._connect()
         except Exception:
             log.exception("mlflow tracking: the client could not be set up; trying again at each tick")
+        else:  # the thread's id: what it costs is read from /proc/<pid>/task/<id>/stat (bench/tracking.py)
+            log.info("mlflow tracking: client ready (thread %d)", threading.get_native_id())
         while not self._stop.wait(self.settings.mlflow_poll_s):
             try:
                 self.tick()
@@ -113,13 +117,11 @@ class Tracker:
         """One pass: every enlisted job that is due, then the aliases."""
         now = _redis_now(self.redis)
         due = self.redis.zrangebyscore(PENDING, "-inf", now, start=0, num=_BATCH)
-        if due:
-            self._connect()
         for job_id in due:
             lock = lock_key(job_id)
             if not self.redis.set(lock, self.token, nx=True, px=self._lock_ttl_ms()):
                 continue  # another worker ships it now
-            self._writer.before_write = lambda lock=lock: self._renew(lock)
+            self._hold = lock
             try:
                 self.ship(job_id, now)
             except OUTAGE_ERRORS:
@@ -129,9 +131,21 @@ class Tracker:
                 self.redis.zadd(PENDING, {job_id: now + self.settings.mlflow_backoff_max_s})
             finally:
                 self.redis.eval(_RELEASE, 1, lock, self.token)
-        if self._writer is not None or self.redis.exists(keys.ALIASES):
-            self._connect()
+        if (self._writer is not None or self.redis.exists(keys.ALIASES)) and self._client_ready():
             self._aliases.sync(now)
+
+    def _client_ready(self) -> bool:
+        """MLflow's client made (once), or False after saying why once per distinct reason: a URI it
+        refuses (an unknown scheme) is the operator's to fix, and the jobs' records say it too."""
+        try:
+            self._connect()
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            if reason != self._client_error:
+                log.warning("mlflow tracking: no client for %s (%s)", self.settings.mlflow_tracking_uri, reason)
+                self._client_error = reason
+            return False
+        return True
 
     def _lock_ttl_ms(self) -> int:
         """Longer than one request and its one retry: the hold is renewed before every write."""
@@ -153,6 +167,8 @@ class Tracker:
         if self._shipped.get(job_id) == fingerprint:
             return  # nothing new since this thread shipped it
         try:
+            self._connect()  # a URI MLflow refuses fails here: the record says so, like a server that is away
+            self._writer.before_write = lambda lock=self._hold: self._renew(lock)
             parent, init_from = self._related_runs(job)
             save = lambda run: write_run_field(self.redis, job_id, run)  # noqa: E731
             try:
