@@ -107,9 +107,10 @@ class DeliverySide(JobStoreBase):
             attempt = attempts + 1
             now = seconds_from_time_reply(pipe.time())
             project = project_of(raw.get("project"))
+            pipe.watch(keys.project_quota(project))  # an admin's PUT meanwhile: judged again
             limits = holds.read_limits(pipe, project)
             if limits:  # the usage it is judged by must not change before this transaction commits
-                pipe.watch(keys.jobs_with_status(JobStatus.running.value), keys.project_quota(project),
+                pipe.watch(keys.jobs_with_status(JobStatus.running.value),
                            keys.project_device_seconds(project, holds.utc_day(now)))
                 reason = holds.hold_reason(limits, holds.usage(pipe, project, now), project,
                                            holds.devices_of(raw), now)

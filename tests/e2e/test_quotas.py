@@ -100,10 +100,13 @@ def test_the_projects_commands(api: dict) -> None:
 
     import json
 
-    changed = run("set-quota", "epsilon", "--queued-jobs", "7")
+    changed = run("set-quota", "epsilon", "--queued-jobs", "7", "--running-jobs", "2", "--devices-held", "3",
+                  "--device-seconds-per-day", "3600")
     assert changed.returncode == 0, changed.stderr
-    assert json.loads(changed.stdout)["quota"]["queued_jobs"] == 7
-    cleared = run("set-quota", "epsilon", "--queued-jobs", "-1", "--dataset-bytes", "1000")
+    assert json.loads(changed.stdout)["quota"] == {**NO_QUOTA, "queued_jobs": 7, "running_jobs": 2, "devices_held": 3,
+                                                   "device_seconds_per_day": 3600}
+    cleared = run("set-quota", "epsilon", "--queued-jobs", "-1", "--dataset-bytes", "1000", "--running-jobs", "-1",
+                  "--devices-held", "-1", "--device-seconds-per-day", "-1")
     assert json.loads(cleared.stdout)["quota"] == {**NO_QUOTA, "dataset_bytes": 1000}
     shown = run("show", "epsilon")
     assert shown.returncode == 0 and json.loads(shown.stdout)["usage"]["queued_jobs"] == 0
