@@ -35,6 +35,7 @@ from core import keys
 from core.access.projects import project_of
 
 DAY_S = 86_400
+HELD_PREFIX = "waiting: project "  # how a held job's message begins (core/gangs/policy.waiting_note keeps it)
 HELD_FIELDS = ("running_jobs", "devices_held", "device_seconds_per_day")
 
 
@@ -89,13 +90,13 @@ def hold_reason(limits: Mapping[str, int], used: Mapping[str, float], project: s
                 now: float) -> str | None:
     """Why a job of `devices` devices may not start now, or None when the project has room."""
     if "running_jobs" in limits and used["running_jobs"] + 1 > limits["running_jobs"]:
-        return (f"waiting: project {project!r} is at its quota of running_jobs = {limits['running_jobs']}; "
+        return (f"{HELD_PREFIX}{project!r} is at its quota of running_jobs = {limits['running_jobs']}; "
                 "it starts when one of its jobs ends")
     if "devices_held" in limits and used["devices_held"] + devices > limits["devices_held"]:
-        return (f"waiting: project {project!r} is at its quota of devices_held = {limits['devices_held']} "
+        return (f"{HELD_PREFIX}{project!r} is at its quota of devices_held = {limits['devices_held']} "
                 f"({int(used['devices_held'])} held, this job needs {devices}); it starts when its jobs free them")
     if "device_seconds_per_day" in limits and used["device_seconds_per_day"] >= limits["device_seconds_per_day"]:
-        return (f"waiting: project {project!r} used its quota of device_seconds_per_day = "
+        return (f"{HELD_PREFIX}{project!r} used its quota of device_seconds_per_day = "
                 f"{limits['device_seconds_per_day']} for {utc_day(now)} (UTC); it starts in "
                 f"{seconds_to_next_day(now)} s, when the next UTC day begins")
     return None

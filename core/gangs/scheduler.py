@@ -277,16 +277,18 @@ class GangScheduler:
         """Whether the job's project is at running_jobs, devices_held (its ranks count) or
         device_seconds_per_day (core/access/holds.py); its job's message says so. Checked again,
         atomically, by rank 0's claim."""
-        project_field, raw_params = self.redis.hmget(keys.job(job_id), "project", "params")
+        project_field, raw_params, message = self.redis.hmget(keys.job(job_id), "project", "params", "message")
         project = project_of(project_field)
         limits = holds.read_limits(self.redis, project)
-        if not limits:
-            return False
-        now = redis_now(self.redis)
-        reason = holds.hold_reason(limits, holds.usage(self.redis, project, now), project,
-                                   holds.devices_of({"params": raw_params}), now)
+        reason = None
+        if limits:
+            now = redis_now(self.redis)
+            reason = holds.hold_reason(limits, holds.usage(self.redis, project, now), project,
+                                       holds.devices_of({"params": raw_params}), now)
         if reason is not None:
             self.redis.hset(keys.job(job_id), "message", reason)
+        elif message and message.startswith(holds.HELD_PREFIX):  # room again: its note is the devices' now
+            self.redis.hset(keys.job(job_id), "message", "queued: its project has room again")
         return reason is not None
 
     def _apply_holds(self, waits: Waits | None, live: list[Device]) -> None:
