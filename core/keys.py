@@ -70,6 +70,10 @@ Layout::
                                             core/access/audit.py
     ty:project:<project>:quota       string a project's quotas (JSON; PUT /projects/{name}): core/access/quotas.py
     ty:project:<p>:predict:<second>  string its predictions in that second (TTL 2 s), with a predict_per_second quota
+    ty:project:<p>:device_seconds:<day>  string device-seconds its jobs that ended that UTC day accrued (TTL 2 days):
+                                            core/access/holds.py
+    ty:quota:held                    zset   queued job id -> when its start was held for a project's quota (running_jobs,
+                                            devices_held, device_seconds_per_day); re-sent by core/jobs/recovery.release_held
 """
 
 from __future__ import annotations
@@ -87,6 +91,7 @@ DISPATCH_DUE = f"{PREFIX}dispatch"
 FILES_TO_SETTLE = f"{PREFIX}settle"
 RECOVERY_STATS = f"{PREFIX}recovery"
 SWEEP_LOCK = f"{PREFIX}sweep:lock"
+QUOTA_HELD = f"{PREFIX}quota:held"
 
 # kombu's Redis transport keeps a message with priority p > 0 in "<queue>\x06\x16<p>"; a queue's
 # depth is the sum over these lists (the metrics collector reads them).
@@ -235,3 +240,7 @@ def project_quota(project: str) -> str:
 
 def project_predictions(project: str, second: int) -> str:
     return f"{PREFIX}project:{project}:predict:{second}"
+
+
+def project_device_seconds(project: str, day: str) -> str:
+    return f"{PREFIX}project:{project}:device_seconds:{day}"

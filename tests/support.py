@@ -95,7 +95,9 @@ def two_hosts(root: Path, timeout: float = 180, **env: str) -> Iterator[dict]:
     workers = {node: procs.worker("cpu", name=node, TORCHYARD_NODE_NAME=node) for node in ("h1", "h2")}
     port = free_port()
     procs.api(port)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60)
+    key = env.get("TORCHYARD_API_KEY")  # the client carries the bootstrap key when the API has one
+    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60,
+                          headers={"Authorization": f"Bearer {key}"} if key else None)
     try:
         wait_until(lambda: {d["id"] for d in client.get("/devices").json()["devices"] if d["status"] == "idle"}
                    >= {"h1/cpu", "h2/cpu"}, timeout=timeout, what="workers h1 and h2")

@@ -9,6 +9,11 @@ before the write and not in the same transaction, so two requests at once may pa
 one each: a quota bounds a team's share, it is not an exact counter. Usage is read from the
 records themselves (the queued and running jobs' index, the datasets' records), so it cannot
 drift from what exists.
+
+`running_jobs`, `devices_held` and `device_seconds_per_day` hold a job's start instead of refusing
+it (core/access/holds.py: checked in the claim's own transaction, exact); only a project that
+has used its device-seconds of the UTC day is refused new jobs here too, with Retry-After = the
+seconds to the next UTC day, since none of them could start before then.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ import redis
 from pydantic import BaseModel, ConfigDict, Field
 
 from core import keys
+from core.access import holds
 from core.access.projects import project_of
+from core.clock import redis_now
 from core.errors import OverQuota
 
 QUEUED_RETRY_S = 30  # a queued job's place frees when some job of the project starts or ends
@@ -37,6 +44,15 @@ class Quota(BaseModel):
     predict_per_second: int | None = Field(default=None, ge=0, le=1_000_000,
                                            description="POST /predict and /v2 infer requests per second, every API "
                                                        "process together (429 with Retry-After past it)")
+    running_jobs: int | None = Field(default=None, ge=0, le=1_000_000,
+                                     description="jobs running at once; past it a job waits, queued, until one ends")
+    devices_held: int | None = Field(default=None, ge=0, le=1_000_000,
+                                     description="devices its running jobs hold at once (a gang counts its ranks); "
+                                                 "past it a job waits, queued, until they free enough")
+    device_seconds_per_day: int | None = Field(default=None, ge=0,
+                                               description="device-seconds its jobs may run per UTC day (a gang's "
+                                                           "ranks each); past it new starts wait for the next day "
+                                                           "and POST /jobs answers 429 with Retry-After")
 
 
 class Usage(BaseModel):
@@ -44,6 +60,9 @@ class Usage(BaseModel):
     running_jobs: int
     datasets: int
     dataset_bytes: int
+    devices_held: int = 0
+    device_seconds_today: float = Field(default=0.0, description="device-seconds used this UTC day")
+    held_jobs: int = Field(default=0, description="queued jobs whose start waits for a quota")
 
 
 class ProjectView(BaseModel):
@@ -70,15 +89,30 @@ class Quotas:
     def usage(self, project: str) -> Usage:
         queued, running = (self._jobs_of(project, status) for status in ("queued", "running"))
         uploads = self._uploads_of(project)
-        return Usage(queued_jobs=queued, running_jobs=running, datasets=len(uploads), dataset_bytes=sum(uploads))
+        held = holds.usage(self.redis, project, redis_now(self.redis))
+        parked = self.redis.zrange(keys.QUOTA_HELD, 0, -1)
+        return Usage(queued_jobs=queued, running_jobs=running, datasets=len(uploads), dataset_bytes=sum(uploads),
+                     devices_held=int(held["devices_held"]),
+                     device_seconds_today=round(held["device_seconds_per_day"], 1),
+                     held_jobs=sum(1 for p in self._fields(parked, keys.job, "project") if project_of(p) == project))
 
     # ------------------------------------------------------------------ checks
     def admit_job(self, project: str) -> None:
-        """OverQuota when `project` has its `queued_jobs` quota of jobs queued already."""
-        limit = self.get(project).queued_jobs
+        """OverQuota when `project` has its `queued_jobs` quota of jobs queued already, or has used
+        its `device_seconds_per_day` of this UTC day (Retry-After: the seconds to the next day)."""
+        quota = self.get(project)
+        limit = quota.queued_jobs
         if limit is not None and self._jobs_of(project, "queued") >= limit:
             raise OverQuota(f"project {project!r} is at its quota of queued_jobs = {limit}: submit again once one "
                             f"of its jobs has started or ended", retry_after_s=QUEUED_RETRY_S)
+        daily = quota.device_seconds_per_day
+        if daily is not None:
+            now = redis_now(self.redis)
+            used = holds.usage(self.redis, project, now)["device_seconds_per_day"]
+            if used >= daily:
+                raise OverQuota(f"project {project!r} used its quota of device_seconds_per_day = {daily} for "
+                                f"{holds.utc_day(now)} (UTC, {used:.0f} used): submit again when the next UTC day "
+                                f"begins", retry_after_s=holds.seconds_to_next_day(now))
 
     def admit_upload(self, project: str, size: int) -> None:
         """OverQuota when an archive of `size` bytes would take `project` past `dataset_bytes`."""

@@ -44,6 +44,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from core.access.holds import HELD_PREFIX
 from core.errors import InvalidInput
 
 if TYPE_CHECKING:
@@ -171,7 +172,10 @@ def check_world_size(world_size: int, requested: str, devices: Sequence[Typed]) 
 
 def waiting_note(job: Job, world_size: int, elastic: bool, gang: Attempt | None, live: Sequence[Device],
                  slots: dict[str, SlotState]) -> str:
-    """What a queued gang job waits for, from the live devices and their slots (read, never stored)."""
+    """What a queued gang job waits for, from the live devices and their slots (read, never stored);
+    a project's quota first, when the gang scheduler held it for one (core/access/holds.py)."""
+    if job.message and job.message.startswith(HELD_PREFIX):
+        return job.message
     if gang is not None and gang.token and not gang.running:
         ranks = ", ".join(f"{m.device} (rank {m.rank})" for m in gang.members)
         return f"starting: {ranks} reserved for it"

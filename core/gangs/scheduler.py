@@ -37,6 +37,8 @@ from dataclasses import dataclass
 import redis
 
 from core import keys
+from core.access import holds
+from core.access.projects import project_of
 from core.clock import redis_now
 from core.gangs.policy import (
     HOLD_S,
@@ -246,6 +248,8 @@ class GangScheduler:
         if status != JobStatus.queued.value or not queue:
             self.redis.zrem(keys.GANGS_WAITING, entry)
             return "skipped"
+        if self._held_for_quota(job_id):
+            return "skipped"  # its project is at a quota that holds starts: it waits, holding nothing
         params = TrainingParams.model_validate_json(raw_params or "{}")  # a gang is a training job
         world_size = params.world_size
         least = devices_needed(world_size, params.elastic, int(attempts or 0) > 0)
@@ -268,6 +272,24 @@ class GangScheduler:
             return Waits(Holder(entry, job_id, least, pinned.id if pinned else None), [d.id for d in candidates])
         self._send_ranks(job_id, token, attempt, [candidates[i - 1] for i in result[1:]])
         return "placed"
+
+    def _held_for_quota(self, job_id: str) -> bool:
+        """Whether the job's project is at running_jobs, devices_held (its ranks count) or
+        device_seconds_per_day (core/access/holds.py); its job's message says so. Checked again,
+        atomically, by rank 0's claim."""
+        project_field, raw_params, message = self.redis.hmget(keys.job(job_id), "project", "params", "message")
+        project = project_of(project_field)
+        limits = holds.read_limits(self.redis, project)
+        reason = None
+        if limits:
+            now = redis_now(self.redis)
+            reason = holds.hold_reason(limits, holds.usage(self.redis, project, now), project,
+                                       holds.devices_of({"params": raw_params}), now)
+        if reason is not None:
+            self.redis.hset(keys.job(job_id), "message", reason)
+        elif message and message.startswith(holds.HELD_PREFIX):  # room again: its note is the devices' now
+            self.redis.hset(keys.job(job_id), "message", "queued: its project has room again")
+        return reason is not None
 
     def _apply_holds(self, waits: Waits | None, live: list[Device]) -> None:
         """Hold for the oldest waiting gang what core/gangs/policy.hold_plan says, and let go of every

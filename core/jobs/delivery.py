@@ -19,6 +19,8 @@ import redis
 from redis.commands.core import Script
 
 from core import keys
+from core.access import holds
+from core.access.projects import project_of
 from core.clock import seconds_from_time_reply, utc_now_iso
 from core.jobs.records import EVENTS_MAXLEN, JobStoreBase, NotOwner, encode_field
 from core.schemas import EpochMetrics, JobStatus, Progress
@@ -35,6 +37,7 @@ class Claim:
     reason: str = ""
     attempt: int = 0
     resume: bool = False
+    held: bool = False  # not started: its project is at a quota that holds starts (core/access/holds.py)
 
 
 # Apply field writes and an event only while `ARGV[1]` is the job's delivery token and the job
@@ -103,15 +106,31 @@ class DeliverySide(JobStoreBase):
                 return
             attempt = attempts + 1
             now = seconds_from_time_reply(pipe.time())
+            project = project_of(raw.get("project"))
+            pipe.watch(keys.project_quota(project))  # an admin's PUT meanwhile: judged again
+            limits = holds.read_limits(pipe, project)
+            if limits:  # the usage it is judged by must not change before this transaction commits
+                pipe.watch(keys.jobs_with_status(JobStatus.running.value),
+                           keys.project_device_seconds(project, holds.utc_day(now)))
+                reason = holds.hold_reason(limits, holds.usage(pipe, project, now), project,
+                                           holds.devices_of(raw), now)
+                if reason is not None:
+                    pipe.multi()
+                    pipe.hset(key, "message", reason)
+                    pipe.zrem(keys.DISPATCH_DUE, job_id)  # not the reconciler's: release_held re-sends it
+                    pipe.zadd(keys.QUOTA_HELD, {job_id: now})
+                    outcome.append(Claim(False, reason, held=True))
+                    return
             pipe.multi()
             fields = {"status": JobStatus.running.value, "attempts": attempt, "device": device_id,
-                      "worker": worker, "claimed_by": instance,
+                      "worker": worker, "claimed_by": instance, "running_since": f"{now:.6f}",
                       "message": f"running on {device_id} (attempt {attempt})"}
             if not raw.get("started_at"):
                 fields["started_at"] = utc_now_iso()
             pipe.hset(key, mapping=fields)
             pipe.zadd(keys.LEASES, {job_id: now + self.lease_ttl_s})
             pipe.zrem(keys.DISPATCH_DUE, job_id)
+            pipe.zrem(keys.QUOTA_HELD, job_id)
             self._move_index(pipe, job_id, status, JobStatus.running)
             self._event(pipe, job_id, "status", {"status": "running", "device": device_id,
                                                  "worker": worker, "attempts": attempt})
@@ -217,7 +236,8 @@ class DeliverySide(JobStoreBase):
 
         def txn(pipe: redis.client.Pipeline) -> None:
             done.clear()
-            current_status, delivery = pipe.hmget(key, "status", "delivery")
+            current_status, delivery, project, params, since = pipe.hmget(
+                key, "status", "delivery", "project", "params", "running_since")
             if delivery != token:
                 done.append(False)
                 return
@@ -240,6 +260,7 @@ class DeliverySide(JobStoreBase):
             pipe.hset(key, mapping=fields)
             pipe.zrem(keys.LEASES, job_id)
             pipe.zadd(keys.FILES_TO_SETTLE, {job_id: now + SETTLE_GRACE_S})
+            holds.accrue_on_end(pipe, {"project": project, "params": params, "running_since": since}, now)
             self._move_index(pipe, job_id, current, status)
             self._event(pipe, job_id, "status", {"status": status.value, "error": error})
 

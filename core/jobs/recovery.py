@@ -19,6 +19,8 @@ import redis
 from redis.commands.core import Script
 
 from core import keys
+from core.access import holds
+from core.access.projects import project_of
 from core.clock import redis_now, seconds_from_time_reply, utc_now_iso
 from core.jobs.records import JobStoreBase, log, new_token
 from core.queue import TrainDelivery, waiting_task_ids
@@ -131,6 +133,72 @@ class Recovery(JobStoreBase):
                         ", ".join(resent))
         return resent
 
+    def release_held(self, now: float | None = None) -> list[str]:
+        """Re-send the held jobs (core/access/holds.py) whose project has room now, oldest first,
+        and forget the ones no longer queued (cancelled meanwhile). Not a recovery: nothing is
+        counted or logged as one. A re-sent job gets its dispatch intent back, and its claim
+        judges it again in its own transaction, so releasing one too many only parks it again."""
+        now = redis_now(self.redis) if now is None else now
+        held = self.redis.zrange(keys.QUOTA_HELD, 0, RECOVERY_BATCH - 1)
+        if not held:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in held:
+            pipe.hmget(keys.job(job_id), "status", "delivery", "queue", "project", "params")
+        room: dict[str, tuple[dict[str, int], dict[str, float]]] = {}
+        released: list[str] = []
+        for job_id, (status, token, queue, project_field, params) in zip(held, pipe.execute(), strict=True):
+            if status != JobStatus.queued.value or not token or not queue:
+                self.redis.zrem(keys.QUOTA_HELD, job_id)
+                continue
+            project = project_of(project_field)
+            if project not in room:
+                room[project] = (holds.read_limits(self.redis, project), holds.usage(self.redis, project, now))
+            limits, used = room[project]
+            devices = holds.devices_of({"params": params})
+            reason = holds.hold_reason(limits, used, project, devices, now) if limits else None
+            if reason is not None:  # still held: its message says for which quota now
+                self._note_held(job_id, token, reason)
+                continue
+            used["running_jobs"] += 1  # this one's place, for the next held job of the project
+            used["devices_held"] += devices
+            if not self._unhold(job_id, token, now):
+                continue
+            self._send(TrainDelivery(job_id, token, queue))
+            released.append(job_id)
+        return released
+
+    def _note_held(self, job_id: str, token: str, reason: str) -> None:
+        """Set a held job's message to why it waits now, only while it is still queued under `token`."""
+        key = keys.job(job_id)
+
+        def txn(pipe: redis.client.Pipeline) -> None:
+            if pipe.hmget(key, "status", "delivery") == [JobStatus.queued.value, token]:
+                pipe.multi()
+                pipe.hset(key, "message", reason)
+
+        self.redis.transaction(txn, key)
+
+    def _unhold(self, job_id: str, token: str, now: float) -> bool:
+        """Move a held job back to dispatch, if it is still queued under `token` and held."""
+        key = keys.job(job_id)
+        moved: list[bool] = []
+
+        def txn(pipe: redis.client.Pipeline) -> None:
+            moved.clear()
+            status, delivery = pipe.hmget(key, "status", "delivery")
+            if status != JobStatus.queued.value or delivery != token or pipe.zscore(keys.QUOTA_HELD, job_id) is None:
+                moved.append(False)
+                return
+            pipe.multi()
+            pipe.zrem(keys.QUOTA_HELD, job_id)
+            pipe.zadd(keys.DISPATCH_DUE, {job_id: now + self.dispatch_grace_s})
+            pipe.hset(key, "message", "queued: its project has room again")
+            moved.append(True)
+
+        self.redis.transaction(txn, key, keys.QUOTA_HELD)
+        return moved[0]
+
     def pending_settlements(self, now: float | None = None) -> list[Settlement]:
         """Ended jobs whose files are overdue to be settled (the owner died before doing it)."""
         now = redis_now(self.redis) if now is None else now
@@ -191,6 +259,7 @@ class Recovery(JobStoreBase):
             now = seconds_from_time_reply(pipe.time())
             pipe.multi()
             pipe.zrem(keys.LEASES, job_id)
+            holds.accrue_on_end(pipe, raw, now)
             if attempts >= self.max_attempts:
                 error = (f"gave up after {attempts} attempts: {reason} each time "
                          f"(last on {raw.get('device')})")

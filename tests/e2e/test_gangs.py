@@ -309,3 +309,22 @@ def test_a_backlog_of_single_jobs_does_not_starve_a_gang(gangs: dict) -> None:
     # scheduler pass sees the gang; every other one waits for it.
     print(f"single jobs started after the gang: {len(after)} of {len(singles)}")
     assert len(after) >= 2, f"only {len(after)} of {len(singles)} single jobs started after the gang"
+
+
+def test_a_gang_counts_its_ranks_against_devices_held(gangs: dict) -> None:
+    """devices_held = 1 and a 2-rank job: it waits, queued, holding no device (its message says
+    why), while both devices are idle; raising the quota to 2 lets it run (core/access/holds.py)."""
+    client = gangs["client"]
+    _wait_idle(gangs)
+    assert client.put("/projects/default", json={"devices_held": 1}).status_code == 200
+    try:
+        gang = _submit(client, world_size=2, epochs=1)
+        wait_until(lambda: "devices_held = 1" in (_job(client, gang)["message"] or ""), timeout=60,
+                   what="the gang held for devices_held")
+        _wait_idle(gangs)  # it holds none of them
+        assert _job(client, gang)["status"] == "queued"
+        assert client.put("/projects/default", json={"devices_held": 2}).status_code == 200
+        done = wait_for_job(client, gang, TERMINAL, timeout=600)
+        assert done["status"] == "succeeded" and done["attempts"] == 1, done
+    finally:
+        client.put("/projects/default", json={})

@@ -19,6 +19,8 @@ pytestmark = pytest.mark.e2e
 
 KEY = "bootstrap-admin-key-for-the-quota-tests"
 JOB = {"model": "cifar_net", "dataset": "fake", "epochs": 1}
+NO_QUOTA = {"queued_jobs": None, "dataset_bytes": None, "predict_per_second": None, "running_jobs": None,
+            "devices_held": None, "device_seconds_per_day": None}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,8 @@ def api(redis_base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def test_a_job_past_the_queued_jobs_quota_is_a_429_to_retry(api: dict) -> None:
     set_ = api["admin"].put("/projects/gamma", json={"queued_jobs": 2})
     assert set_.status_code == 200 and set_.json()["quota"] == {"queued_jobs": 2, "dataset_bytes": None,
-                                                                "predict_per_second": None}
+                                                                "predict_per_second": None, "running_jobs": None,
+                                                                "devices_held": None, "device_seconds_per_day": None}
     gamma = api["gamma"]
     first = gamma.post("/jobs", json=JOB, headers={"Idempotency-Key": "first"})
     assert first.status_code == 202, first.text
@@ -97,11 +100,14 @@ def test_the_projects_commands(api: dict) -> None:
 
     import json
 
-    changed = run("set-quota", "epsilon", "--queued-jobs", "7")
+    changed = run("set-quota", "epsilon", "--queued-jobs", "7", "--running-jobs", "2", "--devices-held", "3",
+                  "--device-seconds-per-day", "3600")
     assert changed.returncode == 0, changed.stderr
-    assert json.loads(changed.stdout)["quota"] == {"queued_jobs": 7, "dataset_bytes": None, "predict_per_second": None}
-    cleared = run("set-quota", "epsilon", "--queued-jobs", "-1", "--dataset-bytes", "1000")
-    assert json.loads(cleared.stdout)["quota"] == {"queued_jobs": None, "dataset_bytes": 1000, "predict_per_second": None}
+    assert json.loads(changed.stdout)["quota"] == {**NO_QUOTA, "queued_jobs": 7, "running_jobs": 2, "devices_held": 3,
+                                                   "device_seconds_per_day": 3600}
+    cleared = run("set-quota", "epsilon", "--queued-jobs", "-1", "--dataset-bytes", "1000", "--running-jobs", "-1",
+                  "--devices-held", "-1", "--device-seconds-per-day", "-1")
+    assert json.loads(cleared.stdout)["quota"] == {**NO_QUOTA, "dataset_bytes": 1000}
     shown = run("show", "epsilon")
     assert shown.returncode == 0 and json.loads(shown.stdout)["usage"]["queued_jobs"] == 0
 

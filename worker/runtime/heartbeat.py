@@ -78,6 +78,7 @@ class Sweeper:
         for job_id in self.store.sweep_expired_leases(now):
             log.warning("job %s: its worker stopped renewing the lease; redelivered", job_id)
         self.store.reconcile_dispatch(now)
+        self.store.release_held(now)  # quota holds: a lease that expired, a new UTC day, a quota raised
         for pending in self.store.pending_settlements(now):
             if self.paths.settle_files(pending.job_id, pending.token, pending.promote):
                 self.store.settled(pending.job_id)

@@ -119,6 +119,15 @@ class JobRunner:
             self._run_and_finish(delivery, handler)
         finally:
             self._nudge_sweep(delivery.job_id)
+            self._release_held()
+
+    def _release_held(self) -> None:
+        """A job's end frees a place: start the jobs held for their project's quota that fit now
+        (core/access/holds.py); the sweep does it too, so an outage here loses nothing."""
+        try:
+            self.store.release_held()
+        except OUTAGE_ERRORS:
+            pass
 
     def _nudge_sweep(self, job_id: str) -> None:
         """A sweep's trial ended here: wake an API process to tell it and ask the next (core/sweeps/)."""

@@ -21,7 +21,8 @@ router = APIRouter(tags=["jobs"])
 
 @router.post("/jobs", status_code=202, response_model=Job,
              responses={200: {"description": "An earlier request with this Idempotency-Key", "model": Job},
-                        429: {"description": "the project's queued_jobs quota is reached (Retry-After)"}})
+                        429: {"description": "the project's queued_jobs or device_seconds_per_day quota "
+                                             "is reached (Retry-After)"}})
 def create_job(services: ServicesDep, spec: JobRequest, response: Response,
                idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> Job:
     """A training job (`kind` left out or "train"), or a batch-prediction job (`"kind": "predict"`)."""
@@ -101,7 +102,8 @@ def download_checkpoint(services: ServicesDep, job_id: str) -> FileResponse:
                         409: {"description": "the job has no checkpoint (it has not succeeded)"},
                         422: {"description": "not a training job, or a dataset that is unknown, unavailable or has "
                                             "classes the model does not"},
-                        429: {"description": "the project's queued_jobs quota is reached (Retry-After)"}})
+                        429: {"description": "the project's queued_jobs or device_seconds_per_day quota "
+                                             "is reached (Retry-After)"}})
 def evaluate_job(services: ServicesDep, job_id: str, spec: EvaluateSpec, response: Response,
                  idempotency_key: Annotated[str | None, Header(max_length=200)] = None) -> Evaluation:
     """Measure a succeeded training job's checkpoint on a dataset (id or name): an `evaluate` job of its own."""
