@@ -21,7 +21,7 @@ from typing import Any
 from celery import Celery
 
 from core import keys
-from core.access.fair_share import share_priority
+from core.access.fair_share import TOP_STEP, share_priority
 from core.config import Settings
 from core.redis import celery_broker_url
 
@@ -118,8 +118,13 @@ def dispatcher(app: Celery, client: Any = None) -> Dispatch:
                 raise RuntimeError("this dispatcher cannot queue data-parallel jobs (no Redis client)")
             client.zadd(keys.GANGS_WAITING, {delivery.task_id: 0}, nx=True)
             return
-        # Fair share between projects (core/access/fair_share.py): the step of its project's load now.
-        priority = share_priority(client, delivery.job_id) if client is not None else None
+        # A gang's rank goes first: its devices are reserved or held for it, so behind any single job
+        # it would leave them idle while those are taken and given back (the starved gang of #33).
+        # Any other: fair share between projects (core/access/fair_share.py), its project's load now.
+        if delivery.seat:
+            priority: int | None = TOP_STEP
+        else:
+            priority = share_priority(client, delivery.job_id) if client is not None else None
         app.send_task(TRAIN_TASK, args=delivery.task_args(), queue=delivery.queue, task_id=delivery.task_id,
                       priority=priority)
 

@@ -10,7 +10,8 @@ taken by the next worker that frees, ahead of another project's backlog (which s
 its first three); within one project the load only grows with each job sent, so its own jobs
 keep their submission order. A message sent again (recovery, a worker that gave one back) is
 judged again when it is sent. Gangs wait in ty:gangs:waiting (core/gangs/), not in these lists:
-they are not reordered.
+they are not reordered; once placed, each rank's message is sent at the first step, ahead of any
+project's single jobs, since its device is reserved or held for it.
 
 Within a project, `priority` (POST /jobs: low, normal, high): a job counts only the project's
 older queued jobs of its priority or higher, and a high job one less, a low one one more, so a
@@ -28,6 +29,7 @@ from core import keys
 from core.access.projects import project_of
 
 STEPS = (0, 3, 6, 9)  # kombu's default priority_steps: the lists a worker reads, in this order
+TOP_STEP = STEPS[0]  # a gang rank's message (core/queue.py): its devices wait for it, it never waits
 
 
 RANK = {"low": 0, "normal": 1, "high": 2}
