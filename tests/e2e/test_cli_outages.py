@@ -47,7 +47,7 @@ def test_train_follows_its_job_through_a_redis_outage_and_an_api_restart(tmp_pat
         wait_until(lambda: client.get("/readyz").status_code == 200, timeout=120, what="API and worker")
         # An idle worker through a Redis outage: its log says so once, and once when it is over.
         _outage(server)
-        wait_until(lambda: "Redis answers again" in procs.log(worker), timeout=60, what="the worker to reconnect")
+        wait_until(lambda: "Redis answers again" in procs.log(worker), timeout=120, what="the worker to reconnect")
         worker_log = procs.log(worker).splitlines()
 
         worker.send_signal(signal.SIGSTOP)  # the job waits in its queue until the end of the test

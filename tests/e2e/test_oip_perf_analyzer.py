@@ -24,8 +24,11 @@ RUN = Path(os.environ.get("PERF_ANALYZER", Path(__file__).resolve().parents[2] /
 def _perf_analyzer(stack: dict, model: str, data: dict, tmp_path: Path, name: str) -> str:
     data_file = tmp_path / f"{name}.json"
     data_file.write_text(json.dumps(data))
+    # What this checks is that perf_analyzer speaks to us and counts what we serve, not how steady a
+    # shared 2-core host is: a window may differ from the last by 100 % (-s), over up to 20 (-r),
+    # where 50 % over 6 failed once beside another suite ("Failed to obtain stable measurement").
     command = [str(RUN), "-m", model, "-u", f"127.0.0.1:{stack['port']}", "-i", "http",
-               "--input-data", str(data_file), "--concurrency-range", "2", "-p", "500", "-s", "50", "-r", "6"]
+               "--input-data", str(data_file), "--concurrency-range", "2", "-p", "500", "-s", "100", "-r", "20"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
