@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
+from core.image_headers import read_header
 from core.images import IMAGE_FORMATS
-from worker.data.jpeg_header import read_header
 
 if TYPE_CHECKING:
     from worker.checkpoints.format import Preprocessing

@@ -36,8 +36,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from core.image_headers import read_header
 from worker.data.image_array import BadImage, InputSpec, fast_jpeg_plan
-from worker.data.jpeg_header import read_header
 from worker.device.health import sticky_device_error
 
 END_OF_IMAGE = b"\xff\xd9"

@@ -147,6 +147,8 @@ class InferenceServer:
         self.device_loop.join(timeout)
         self.decoder.shutdown()
         self._replies.shutdown(wait=False, cancel_futures=True)
+        if not self._intake_thread.is_alive():
+            self.transport.reader.close()  # the intake's own connection (a live intake still reads it)
 
     def release_cores(self, timeout_s: float = 10.0) -> None:
         """Before a job starts (`job_running` is true by now): wait until a CPU device's forward has

@@ -8,6 +8,13 @@ among them) and ends with the trailer only the API writes, so a message with tha
 prediction, and only one without it may be a preload request.
 Answers go to the inbox of the API process that asked, one RPUSH per inbox for a whole batch.
 
+The intake's reads (a first message, then a poll every fraction of a millisecond while a batch
+fills) go over a connection of their own (`ListReader`): each is a command packed once and sent
+as is, where redis-py's command path (a pooled connection taken and given back, its retry and
+observability wrappers) cost the worker three times as much CPU as the round trip itself, the
+larger part of the intake's own CPU per request (docs/benchmarks.md, "The service's own CPU per
+request").
+
 The intake also keeps this process's estimate of Redis's clock (core/clock.RedisClock): the
 requests' `queued_at` and `deadline` are on it, so a worker whose wall clock is off neither drops
 live requests as expired nor holds a batch open for the skew.
@@ -23,6 +30,7 @@ import redis
 
 from core import keys
 from core.clock import RedisClock
+from core.redis import RECONNECT_PAUSE_S
 from core.wire import REPLY_TTL_S, MalformedMessage, PredictReply, PredictRequest, PreloadRequest
 
 log = logging.getLogger(__name__)
@@ -30,26 +38,71 @@ log = logging.getLogger(__name__)
 BLOCK_S = 1  # how long one BLPOP waits: bounds how late the intake sees a stop
 
 
+class ListReader:
+    """BLPOP and LPOP of one list on a connection of its own, each command packed once (per count)
+    and its reply read straight off the connection; one thread's (the intake's). A broken
+    connection is dropped and the command sent once more on a new one, as the client's own retry
+    does (core/redis.py); a second failure is the caller's outage."""
+
+    def __init__(self, client: redis.Redis, queue: str) -> None:
+        self.pool = client.connection_pool
+        self.queue = queue
+        self._connection: redis.connection.AbstractConnection | None = None
+        self._packed: dict[tuple[str, int], list[bytes]] = {}
+
+    def _pack(self, command: str, argument: int) -> list[bytes]:
+        packed = self._packed.get((command, argument))
+        if packed is None:
+            connection = self._connection or self.pool.make_connection()
+            self._connection = connection
+            packed = self._packed[(command, argument)] = connection.pack_command(command, self.queue, argument)
+        return packed
+
+    def run(self, *commands: list[bytes]) -> list[object]:
+        """Send `commands` (packed) in one write; their replies, in order."""
+        for attempt in (0, 1):
+            connection = self._connection = self._connection or self.pool.make_connection()
+            try:
+                connection.send_packed_command([part for command in commands for part in command], check_health=False)
+                return [connection.read_response() for _ in commands]
+            except (redis.ConnectionError, redis.TimeoutError):
+                connection.disconnect()
+                if attempt:
+                    raise
+                time.sleep(RECONNECT_PAUSE_S)
+        raise AssertionError("unreachable")
+
+    def first(self, most: int) -> list[bytes]:
+        """Block (up to BLOCK_S) for a first message, and take up to `most` in all: BLPOP and an
+        LPOP of what queued beside it in one write, so a lone request costs one round trip and a
+        burst is taken whole."""
+        first, rest = self.run(self._pack("BLPOP", BLOCK_S), self._pack("LPOP", most - 1))
+        return ([first[1]] if first is not None else []) + (rest or [])  # type: ignore[index, operator]
+
+    def more(self, most: int) -> list[bytes]:
+        (taken,) = self.run(self._pack("LPOP", most))
+        return taken or []  # type: ignore[return-value]
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.disconnect()
+
+
 class Transport:
     def __init__(self, client: redis.Redis, device_id: str) -> None:
         self.redis = client  # decode_responses=False: frames are bytes
         self.queue = keys.predict_queue(device_id)
+        self.reader = ListReader(client, self.queue)
         self.clock = RedisClock()
 
     def take_first(self, most: int) -> list[bytes]:
         """Block (up to BLOCK_S) for a first message, and take up to `most` in all."""
         if self.clock.due(time.monotonic()):
             self.clock.sample(self.redis)
-        # BLPOP and an LPOP of what queued beside it, pipelined: Redis runs the LPOP as soon as the
-        # BLPOP returns, so a lone request costs one round trip and a burst is taken whole.
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.blpop([self.queue], timeout=BLOCK_S)
-        pipe.lpop(self.queue, most - 1)
-        first, rest = pipe.execute()
-        return ([first[1]] if first is not None else []) + (rest or [])
+        return self.reader.first(most)
 
     def take_more(self, most: int) -> list[bytes]:
-        return (self.redis.lpop(self.queue, most) or []) if most > 0 else []
+        return self.reader.more(most) if most > 0 else []
 
     @staticmethod
     def decode(raw: list[bytes], requests: list[PredictRequest], preloads: list[PreloadRequest]) -> int:

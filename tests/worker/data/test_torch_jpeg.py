@@ -18,6 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
+from core.image_headers import read_header
 from models.registry import build_model
 from tests.datagen import photo_jpeg
 from tests.support import REPO
@@ -31,7 +32,6 @@ from worker.data.image_array import (
     fast_jpeg_plan,
     image_to_array,
 )
-from worker.data.jpeg_header import read_header
 
 
 def contract(data: bytes, spec: InputSpec) -> np.ndarray:

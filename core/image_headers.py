@@ -1,6 +1,14 @@
-"""A JPEG's frame header (SOF) read from its bytes, before any decoder sees them.
+"""An image's size read from its first bytes, before any decoder sees them: a JPEG's frame header
+(SOF) and a PNG's IHDR.
 
-Why a parser of our own: torchvision's `decode_jpeg` has no header-only call, so the pixel limit
+Two readers need them. The API's /predict intake checks every image's format and pixel count the
+moment its part arrives (app/api/serving/intake.check_image): Pillow's `Image.open` does that for
+any format, but for a JPEG it parses every marker segment in Python and for a PNG it builds its
+chunk reader, tens of microseconds a request (docs/benchmarks.md, "The service's own CPU per
+request"), where reading the one header a photo or a PNG states its size in costs a few. What these
+readers do not positively recognise goes to Pillow exactly as before.
+
+And the JPEG decoders of the worker: why a parser of our own there: torchvision's `decode_jpeg` has no header-only call, so the pixel limit
 that Pillow's lazy `Image.open` enforces before decoding (a decompression bomb costs nothing until
 it is refused) must be checked here for the faster decoder too; and the same header says whether
 that decoder takes the file at all (worker/data/image_array.py's `fast_jpeg_plan`). The parser
@@ -11,6 +19,7 @@ decodes it or refuses it (415) as before. No torch here: the decision is made be
 
 from __future__ import annotations
 
+import zlib
 from typing import NamedTuple
 
 # Frame headers (ITU T.81 B.1.1.3): Huffman baseline, extended, progressive; the others (lossless,
@@ -71,3 +80,32 @@ def read_header(data: bytes | memoryview) -> JpegHeader | None:
             return None  # a scan before any frame: not a file we decode ourselves
         at += length
     return None
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# IHDR's bit depths by colour type (PNG specification, 11.2.2): anything else is a file Pillow refuses.
+PNG_BIT_DEPTHS = {0: (1, 2, 4, 8, 16), 2: (8, 16), 3: (1, 2, 4, 8), 4: (8, 16), 6: (8, 16)}
+PNG_MAX_DIMENSION = 2**31 - 1
+
+
+class PngHeader(NamedTuple):
+    width: int
+    height: int
+
+
+def read_png_header(data: bytes | memoryview) -> PngHeader | None:
+    """A PNG's size from its IHDR chunk (which the specification puts first, 13 bytes, CRC-checked),
+    or None when `data` does not begin with a PNG signature and a well-formed IHDR (the caller then
+    asks Pillow, which refuses what is malformed)."""
+    if len(data) < 33 or bytes(data[:8]) != PNG_SIGNATURE or bytes(data[8:16]) != b"\x00\x00\x00\rIHDR":
+        return None
+    ihdr = bytes(data[12:29])  # the type and the 13 bytes of data the CRC covers
+    if zlib.crc32(ihdr) != int.from_bytes(data[29:33], "big"):
+        return None
+    width, height = int.from_bytes(ihdr[4:8], "big"), int.from_bytes(ihdr[8:12], "big")
+    depth, colour, compression, filtering, interlace = ihdr[12:17]
+    if not (0 < width <= PNG_MAX_DIMENSION and 0 < height <= PNG_MAX_DIMENSION):
+        return None
+    if depth not in PNG_BIT_DEPTHS.get(colour, ()) or compression or filtering or interlace > 1:
+        return None
+    return PngHeader(width, height)
