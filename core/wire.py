@@ -123,6 +123,20 @@ class PredictHeader(BaseModel):
                                                           "class's probability (ProbabilitiesResponse).")
 
 
+def encode_header(*, job_id: str, alias: str | None = None, top_k: int, reply_to: str, request_id: str, queued_at: float,
+                  deadline: float, images: list[tuple[str | None, int, int]], encoding: Encoding = "image",
+                  shape: tuple[int, int, int] | None = None, reply: ReplyKind = "top_k") -> bytes:
+    """A PredictHeader's JSON, written from its fields without building the model: the API frames
+    every /predict request, and a model's construction and dump cost ~20 µs of the API's few hundred
+    per request (docs/benchmarks.md, "The service's own CPU per request"), where this costs ~2. The
+    parameters are the model's fields, typed as the model types them (a test checks both that they
+    match and that what this writes validates to the model); the worker validates every header it
+    takes (`PredictRequest.decode`)."""
+    return strict_json({"job_id": job_id, "alias": alias, "top_k": top_k, "reply_to": reply_to,
+                         "request_id": request_id, "queued_at": queued_at, "deadline": deadline, "images": images,
+                         "encoding": encoding, "shape": shape, "reply": reply})
+
+
 # A frame: the bytes the images lie in (for the API, the multipart body as it arrived), then the
 # header's JSON, then this trailer: the header's length and a tag. The header comes last so the API
 # appends it to the buffer the body streamed into: the images are never copied to be sent.
@@ -150,10 +164,11 @@ class PredictRequest:
         return filename, self.raw[offset:offset + length]
 
     @staticmethod
-    def frame_in_place(buffer: bytearray, header: PredictHeader) -> memoryview:
-        """`buffer` (holding the images at the header's offsets) with the header appended: the
-        message to queue. The buffer must not change while the message is queued."""
-        encoded = header.model_dump_json().encode()
+    def frame_in_place(buffer: bytearray, header: PredictHeader | bytes) -> memoryview:
+        """`buffer` (holding the images at the header's offsets) with the header (a model, or its
+        JSON from `encode_header`) appended: the message to queue. The buffer must not change while
+        the message is queued."""
+        encoded = header if isinstance(header, bytes) else header.model_dump_json().encode()
         if len(encoded) > MAX_HEADER_BYTES:
             raise ValueError(f"a request header of {len(encoded)} bytes")
         buffer += encoded

@@ -37,3 +37,29 @@ def test_addressed_reply_round_trip() -> None:
     reply = PredictReply.predictions("j", "m", "cpu", CLASSES, [("x.png", [3], [1.0])])
     request_id, decoded = PredictReply.decode_addressed(reply.encode_to("abc123"))
     assert request_id == "abc123" and decoded.status == 200 and decoded.body == reply.body
+
+
+def test_the_header_the_api_writes_is_the_models_json_byte_for_byte() -> None:
+    """`encode_header` (the API's way to write a PredictHeader without building it) takes exactly the
+    model's fields, typed alike, and writes what the model would, which the worker validates back."""
+    import inspect
+    import typing
+
+    from core.wire import PredictHeader, PredictRequest, encode_header
+
+    parameters = inspect.signature(encode_header).parameters
+    assert list(parameters) == list(PredictHeader.model_fields)
+    hints = typing.get_type_hints(encode_header)
+    for name, field in PredictHeader.model_fields.items():
+        assert hints[name] == field.annotation, name
+        if not field.is_required():
+            assert parameters[name].default == field.default, name
+    cases = [dict(job_id="j-1", alias=None, top_k=5, reply_to="ty:inbox", request_id="ab12", queued_at=1764300000.123456,
+                  deadline=1764300030.5, images=[("x.png", 0, 3)]),
+             dict(job_id="j-2", alias="pets", top_k=1, reply_to="ty:inbox", request_id="cd34", queued_at=1.0, deadline=2.0,
+                  images=[(None, 0, 1), ("é €.jpg", 1, 2)], encoding="fp32", shape=(3, 32, 32), reply="probabilities")]
+    for fields in cases:
+        model = PredictHeader(**fields)
+        assert encode_header(**fields) == model.model_dump_json().encode()
+        message = bytes(PredictRequest.frame_in_place(bytearray(b"abc"), encode_header(**fields)))
+        assert PredictRequest.decode(message).header == model

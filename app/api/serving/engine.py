@@ -51,7 +51,7 @@ from core.config import Settings
 from core.errors import Conflict, NotFound, TorchyardError, Unavailable
 from core.kind_words import job_phrase
 from core.schemas import JobKind, JobStatus
-from core.wire import PredictHeader, PredictReply, PredictRequest
+from core.wire import PredictReply, PredictRequest, encode_header
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class PredictionClient:
             return flight.message
         call = flight.call
         buffer = call.form.buffer if flight.message is None else bytearray(flight.message[:flight.payload_end])
-        header = PredictHeader(job_id=job_id, alias=call.alias, top_k=call.top_k, reply_to=self.inbox.key,
+        header = encode_header(job_id=job_id, alias=call.alias, top_k=call.top_k, reply_to=self.inbox.key,
                                request_id=flight.request_id, queued_at=self.live.clock.now(), deadline=flight.deadline,
                                images=call.form.images, encoding=call.encoding, shape=call.shape, reply=call.reply)
         flight.message, flight.job_id = PredictRequest.frame_in_place(buffer, header), job_id
