@@ -130,9 +130,12 @@ def run(photos: Path, model: str, device: str, decode: str) -> None:
                 images = data.load_image_folder(root, 3, 224, 224)
             mark("data in hand (load_image_folder returned)")
             report = getattr(images, "report", None)
-            if report is not None:
-                print(f"{job}: decoded {report.on_device} files on {device_decode.device if device_decode else '-'} "
-                      f"(nvJPEG, {len(report.device_batches)} calls), {report.on_cpu} by the decoding processes")
+            if report is not None and device_decode is not None:
+                print(f"{job}: decoded {report.on_device} files by nvJPEG on {device_decode.device} "
+                      f"({len(report.device_batches)} calls), {report.on_cpu} by the decoding processes")
+            elif report is not None:
+                print(f"{job}: decoded {report.on_cpu} files by the decoding processes alone (device {device}, "
+                      f"TORCHYARD_DECODE={decode})")
             elif "fresh" in job:
                 print(f"{job}: decoded by the decoding processes (an older tree: no report)")
             params = resolve_params(JobSpec(model=model, dataset="bench", epochs=1, image_size=224))
