@@ -1,7 +1,7 @@
 """Where a worker's first job on a fresh photo set spends the seconds outside its epochs, phase by phase,
 against the same job on the decoded set (docs/benchmarks.md, "A first job's fixed cost").
 
-    python -m bench.first_job --photos 600 [--model mobilenet_v3_small] [--idle 5]
+    python -m bench.first_job --photos 600 [--model mobilenet_v3_small] [--idle 5] [--device cuda] [--decode auto]
 
 Run as a module, like the worker (`python -m app.cli worker`): multiprocessing makes every decoding
 process import the main module, and this one imports what app/cli.py imports (torch only inside
@@ -10,7 +10,9 @@ main()), so the pool's start costs what it costs in a worker. In one process: th
 job 1 on a fresh copy of the set and job 2 on the same set, each from load_image_folder to the first
 training step of epoch 1 (the trainer's set-up on this host's CPU; the epochs themselves are not
 run). The phases are timed by wrapping the functions that run them, so the same script times an
-older tree (PYTHONPATH=<its checkout>) as well.
+older tree (PYTHONPATH=<its checkout>) as well. `--device`/`--decode` are the worker's device and
+TORCHYARD_DECODE: on a CUDA device the first decode sends the baseline JPEGs to nvJPEG
+(worker/data/device_dataset_decode.py), and job 1's line says how many files each decoder took.
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def instrument() -> None:
     timed(trainer, "build_model", "trainer: model built (imports included)")
 
 
-def run(photos: Path, model: str) -> None:
+def run(photos: Path, model: str, device: str, decode: str) -> None:
     import torch
 
     import worker.data.datasets as data
@@ -107,6 +109,13 @@ def run(photos: Path, model: str) -> None:
         mark("epoch 1's first step")
         return "stop"
 
+    device_decode = None
+    try:
+        from core.config import Settings
+        from worker.data.device_dataset_decode import DeviceDecode
+        device_decode = DeviceDecode.chosen(Settings(decode=decode), device)
+    except ImportError:  # an older tree: the pool alone
+        pass
     work = Path(tempfile.mkdtemp(prefix="torchyard-first-job-"))
     try:
         root = work / "set"
@@ -115,10 +124,22 @@ def run(photos: Path, model: str) -> None:
         for job in ("job 1 (fresh set)", "job 2 (decoded set)"):
             MARKS.clear()
             mark(f"{job}: starts")
-            images = data.load_image_folder(root, 3, 224, 224)
+            if device_decode is not None:
+                images = data.load_image_folder(root, 3, 224, 224, device_decode=device_decode)
+            else:
+                images = data.load_image_folder(root, 3, 224, 224)
             mark("data in hand (load_image_folder returned)")
+            report = getattr(images, "report", None)
+            if report is not None and device_decode is not None:
+                print(f"{job}: decoded {report.on_device} files by nvJPEG on {device_decode.device} "
+                      f"({len(report.device_batches)} calls), {report.on_cpu} by the decoding processes")
+            elif report is not None:
+                print(f"{job}: decoded {report.on_cpu} files by the decoding processes alone (device {device}, "
+                      f"TORCHYARD_DECODE={decode})")
+            elif "fresh" in job:
+                print(f"{job}: decoded by the decoding processes (an older tree: no report)")
             params = resolve_params(JobSpec(model=model, dataset="bench", epochs=1, image_size=224))
-            plan = trainer.plan_training("bench", model, params, images, torch.device("cpu"), 3, 224, 224)
+            plan = trainer.plan_training("bench", model, params, images, torch.device(device), 3, 224, 224)
             with_stop = trainer.Trainer(plan, images, final_path=work / "model.pt", resume_from=None,
                                         resume_to=lambda epoch: work / f"resume-{epoch}.pt", reporter=Reporter(),
                                         should_stop=first_step)
@@ -142,6 +163,8 @@ def main() -> int:
     parser.add_argument("--photos", type=int, default=600)
     parser.add_argument("--model", default="mobilenet_v3_small", help="trained at 224 (the cheapest model at 224)")
     parser.add_argument("--idle", type=float, default=5.0, help="seconds between the worker's start and job 1")
+    parser.add_argument("--device", default="cpu", help="the worker's torch device (cuda: a GPU worker's first decode)")
+    parser.add_argument("--decode", default="auto", choices=("auto", "cpu", "cuda"), help="TORCHYARD_DECODE")
     args = parser.parse_args()
     began = time.perf_counter()
     import torch  # noqa: F401  (a worker has it before its first job)
@@ -161,7 +184,7 @@ def main() -> int:
         with zipfile.ZipFile(Path(tmp) / "photos.zip") as archive:
             archive.extractall(Path(tmp) / "photos")
         time.sleep(max(0.0, args.idle - (time.perf_counter() - began)))
-        run(Path(tmp) / "photos", args.model)
+        run(Path(tmp) / "photos", args.model, args.device, args.decode)
     return 0
 
 

@@ -128,7 +128,7 @@ class Settings(BaseSettings):
     decode: Literal["auto", "cpu", "cuda"] = Field(
         default="auto",
         description="Where a CUDA worker decodes /predict's JPEGs: `cuda` with nvJPEG on its GPU, batched, resized "
-                    "there (worker/serving/device_decode.py; what nvJPEG is not given or refuses decodes on the "
+                    "there (worker/data/device_jpeg.py; what nvJPEG is not given or refuses decodes on the "
                     "CPU, per image), `cpu` in its decoding processes. `auto`: the GPU on a CUDA worker, until a "
                     "GPU measurement says otherwise (docs/gpu.md). A CPU worker always decodes on its CPU.")
     decode_batch_pixels: int = Field(

@@ -5,7 +5,9 @@ this module is how that one decode uses the host: a pool of processes, each deco
 files with worker/data/image_array.image_to_array (the transform /predict runs, JPEG draft included)
 and sending back one uint8 array per chunk, which is copied into its rows of one array
 allocated up front. Nothing else holds the decoded images: memory is that array plus the chunks
-in flight (a few per process).
+in flight (a few per process). On a CUDA worker the baseline JPEGs go to nvJPEG instead
+(worker/data/device_dataset_decode.py), and this pool decodes the other files into the same array
+meanwhile (`decode_into`, the files it is given by index).
 
 Why processes and not threads (docs/benchmarks.md, "Dataset decode", has the figures and the
 command): Pillow releases the GIL inside its decoder and its resampler, but everything around
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -66,9 +69,19 @@ class DecodeFailed(Exception):
 
 
 @dataclass(frozen=True)
+class DecodeReport:
+    """Which decoder took a set's files: what a first job's figures name (bench/first_job.py)."""
+
+    on_device: int  # rows decoded by nvJPEG (worker/data/device_dataset_decode.py)
+    on_cpu: int  # files given to the process pool (the unreadable ones included)
+    device_batches: tuple[int, ...] = ()  # decoded pixels of each nvJPEG call, in order
+
+
+@dataclass(frozen=True)
 class DecodedFiles:
     images: np.ndarray  # uint8 N×C×H×W: the readable files, in the order given
     kept: np.ndarray  # int64 N: which of the files given each row is
+    report: DecodeReport
 
 
 def decode_files(paths: Sequence[Path], spec: InputSpec, workers: int, *, nice: int = DECODE_NICE) -> DecodedFiles:
@@ -76,18 +89,30 @@ def decode_files(paths: Sequence[Path], spec: InputSpec, workers: int, *, nice: 
     files are skipped with a warning."""
     images = spec.empty(len(paths))
     readable = np.zeros(len(paths), dtype=bool)
-    files = [str(p) for p in paths]
-    lost = _decode_chunks(files, spec, workers, nice, images, readable)
-    if lost:
+    decode_into([str(p) for p in paths], list(range(len(paths))), spec, workers, images, readable, nice=nice)
+    return compact(images, readable, DecodeReport(on_device=0, on_cpu=len(paths)))
+
+
+def decode_into(files: list[str], indices: list[int], spec: InputSpec, workers: int, images: np.ndarray,
+                readable: np.ndarray, *, nice: int = DECODE_NICE, stop: threading.Event | None = None) -> None:
+    """The files at `indices` decoded by the pool into their rows of `images`, `readable` set for
+    each one read; unreadable files are skipped with a warning. Once `stop` is set no further
+    chunk is sent (those in flight finish): the caller failed and the rest is not wanted."""
+    lost = _decode_chunks(files, indices, spec, workers, nice, images, readable, stop)
+    if lost and not (stop is not None and stop.is_set()):
         log.warning("a decoding process died; decoding the %d files it may have held one at a time", len(lost))
         _decode_one_by_one(files, lost, spec, nice, images, readable)
+
+
+def compact(images: np.ndarray, readable: np.ndarray, report: DecodeReport) -> DecodedFiles:
+    """The rows of readable files moved up over the others', in place, and the array shortened."""
     kept = np.flatnonzero(readable)
-    if len(kept) < len(files):  # move the rows of readable files up over the others', in place
+    if len(kept) < len(readable):
         for row, source in enumerate(kept):
             if row != source:
                 images[row] = images[source]
         images.resize((len(kept), *images.shape[1:]), refcheck=False)
-    return DecodedFiles(images, kept.astype(np.int64))
+    return DecodedFiles(images, kept.astype(np.int64), report)
 
 
 def decode_chunk(files: Sequence[str], spec: InputSpec) -> tuple[np.ndarray, list[str | None]]:
@@ -105,35 +130,37 @@ def decode_chunk(files: Sequence[str], spec: InputSpec) -> tuple[np.ndarray, lis
     return out, errors
 
 
-def _decode_chunks(files: list[str], spec: InputSpec, workers: int, nice: int, images: np.ndarray,
-                   readable: np.ndarray) -> list[int]:
-    """Every file in chunks over the pool; the indices of the files of chunks lost to a dead
-    process (the pool is then started again for the chunks not yet sent)."""
-    size = max(1, min(MAX_CHUNK, -(-len(files) // (workers * CHUNKS_PER_PROCESS))))
-    pending = deque((begin, min(begin + size, len(files))) for begin in range(0, len(files), size))
+def _decode_chunks(files: list[str], indices: list[int], spec: InputSpec, workers: int, nice: int,
+                   images: np.ndarray, readable: np.ndarray, stop: threading.Event | None) -> list[int]:
+    """The files at `indices` in chunks over the pool; the indices of the files of chunks lost to a
+    dead process (the pool is then started again for the chunks not yet sent)."""
+    size = max(1, min(MAX_CHUNK, -(-len(indices) // (workers * CHUNKS_PER_PROCESS))))
+    pending = deque(indices[begin:begin + size] for begin in range(0, len(indices), size))
     lost: list[int] = []
-    while pending:
+    while pending and not (stop is not None and stop.is_set()):
         with _pool(workers, nice) as pool:
-            in_flight: dict[Future, tuple[int, int]] = {}
+            in_flight: dict[Future, list[int]] = {}
             broken = False
             while (pending and not broken) or in_flight:
+                if stop is not None and stop.is_set():
+                    pending.clear()
                 while pending and not broken and len(in_flight) < workers * IN_FLIGHT_PER_PROCESS:
-                    begin, end = pending.popleft()
+                    chunk = pending.popleft()
                     try:
-                        in_flight[pool.submit(decode_chunk, files[begin:end], spec)] = (begin, end)
+                        in_flight[pool.submit(decode_chunk, [files[i] for i in chunk], spec)] = chunk
                     except BrokenProcessPool:
-                        lost.extend(range(begin, end))
+                        lost.extend(chunk)
                         broken = True
                 done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
                 for future in done:
-                    begin, end = in_flight.pop(future)
+                    chunk = in_flight.pop(future)
                     try:
                         arrays, errors = future.result()
                     except BrokenProcessPool:
-                        lost.extend(range(begin, end))
+                        lost.extend(chunk)
                         broken = True
                         continue
-                    _store(files, begin, arrays, errors, images, readable)
+                    _store(files, chunk, arrays, errors, images, readable)
     return sorted(lost)
 
 
@@ -155,17 +182,17 @@ def _decode_one_by_one(files: list[str], indices: list[int], spec: InputSpec, ni
                         raise DecodeFailed(f"{crashed} files killed the process decoding them (the last: "
                                            f"{files[index]}); the set cannot be decoded here") from None
                     break
-                _store(files, index, arrays, errors, images, readable)
+                _store(files, [index], arrays, errors, images, readable)
 
 
-def _store(files: list[str], begin: int, arrays: np.ndarray, errors: list[str | None], images: np.ndarray,
+def _store(files: list[str], chunk: list[int], arrays: np.ndarray, errors: list[str | None], images: np.ndarray,
            readable: np.ndarray) -> None:
-    images[begin:begin + len(arrays)] = arrays
-    for offset, error in enumerate(errors):
+    images[chunk] = arrays
+    for index, error in zip(chunk, errors, strict=True):
         if error is None:
-            readable[begin + offset] = True
+            readable[index] = True
         else:
-            log.warning("skipping unreadable image %s: %s", files[begin + offset], error)
+            log.warning("skipping unreadable image %s: %s", files[index], error)
 
 
 @contextmanager

@@ -25,7 +25,8 @@ from PIL import Image
 from core.config import Settings
 from core.datasets import BUILTIN_TORCHVISION, FAKE_CLASSES, FAKE_IMAGES, FAKE_PATTERN_SEED, DatasetRecord, split_sizes
 from core.storage import atomic_path
-from worker.data.dataset_decode import DecodeFailed, decode_files
+from worker.data.dataset_decode import DecodeFailed, DecodeReport, decode_files
+from worker.data.device_dataset_decode import DeviceDecode, decode_files_on_device
 from worker.data.image_array import TRANSFORM_VERSION, InputSpec, image_to_array
 from worker.device.cpu_threads import usable_cores
 from worker.runtime.job_context import StopJob
@@ -51,6 +52,7 @@ class ImageTensors:
     images: torch.Tensor  # uint8 N×C×H×W
     labels: torch.Tensor  # int64 N
     classes: list[str]
+    report: DecodeReport | None = None  # which decoder took an upload's files; None when read from its cache
 
 
 # ---------------------------------------------------------------------------- fake
@@ -138,7 +140,7 @@ def _arrays_to_tensor(data: np.ndarray, channels: int, height: int, width: int,
 # ---------------------------------------------------------------------------- uploaded image folders
 def load_image_folder(root: Path, channels: int, height: int, width: int, resize_size: int | None = None, *,
                       should_stop: Callable[[], str | None] | None = None,
-                      wait_limit_s: float | None = None) -> ImageTensors:
+                      wait_limit_s: float | None = None, device_decode: DeviceDecode | None = None) -> ImageTensors:
     """An extracted `<class>/<image>` folder at one input spec, decoded once by all the worker's cores
     (worker/data/dataset_decode.py) and cached beside it (`.<id>.cache/<spec>-t<transform>.pt`).
 
@@ -157,7 +159,11 @@ def load_image_folder(root: Path, channels: int, height: int, width: int, resize
     The file is written to a temporary name, fsynced and renamed (core/storage.atomic_path): a
     reader only ever opens the final name, so a writer killed mid-write (a SIGKILLed worker, a
     power loss) leaves at most a temporary file, never a cache that a later job trusts; the next
-    decode of the spec removes such leftovers under the lock (no live writer can own them then)."""
+    decode of the spec removes such leftovers under the lock (no live writer can own them then).
+
+    `device_decode`: the JPEGs nvJPEG takes decoded on that device, the rest by the pool meanwhile
+    (worker/data/device_dataset_decode.py); None, the pool alone. The rows are the same contract's,
+    within JPEG_TOLERANCE, so the cache's name does not say which decoder wrote it."""
     spec = InputSpec(channels, height, width, resize_size)
     folder = root.parent / f".{root.name}.cache"
     cache = folder / f"{spec.name}-t{TRANSFORM_VERSION}.pt"
@@ -175,7 +181,7 @@ def load_image_folder(root: Path, channels: int, height: int, width: int, resize
             return _read_cache(cache)
         for leftover in folder.glob(f".{cache.name}.*.tmp"):  # a killed writer's: no live one holds the lock
             leftover.unlink(missing_ok=True)
-        tensors = _decode_folder(root, spec)
+        tensors = _decode_folder(root, spec, device_decode)
         stale = [p for p in [folder / f"{spec.name}.pt", *folder.glob(f"{spec.name}-t*.pt")] if p != cache]
         CacheWriter.start(cache, tensors, stale, lock, root)
         held = False  # the writer's now
@@ -185,19 +191,22 @@ def load_image_folder(root: Path, channels: int, height: int, width: int, resize
             _release(lock)
 
 
-def _decode_folder(root: Path, spec: InputSpec) -> ImageTensors:
+def _decode_folder(root: Path, spec: InputSpec, device_decode: DeviceDecode | None) -> ImageTensors:
     classes = sorted(p.name for p in root.iterdir() if p.is_dir())
     files = [(path, label) for label, name in enumerate(classes) for path in sorted((root / name).iterdir())]
     workers = usable_cores()
-    log.info("decoding %d files of %s at %s on %d processes", len(files), root, spec.name, workers)
+    where = f" and {device_decode.device}" if device_decode is not None else ""
+    log.info("decoding %d files of %s at %s on %d processes%s", len(files), root, spec.name, workers, where)
+    paths = [path for path, _ in files]
     try:
-        decoded = decode_files([path for path, _ in files], spec, workers=workers)
+        decoded = (decode_files(paths, spec, workers=workers) if device_decode is None
+                   else decode_files_on_device(paths, spec, workers, device_decode))
     except DecodeFailed as exc:
         raise DatasetUnavailable(f"dataset at {root}: {exc}") from exc
     if not len(decoded.kept):
         raise DatasetUnavailable(f"dataset at {root} holds no readable images")
     labels = torch.tensor([files[i][1] for i in decoded.kept], dtype=torch.int64)
-    return ImageTensors(torch.from_numpy(decoded.images), labels, classes)
+    return ImageTensors(torch.from_numpy(decoded.images), labels, classes, decoded.report)
 
 
 class CacheWriter:
@@ -318,10 +327,11 @@ FAKE_TEST_SEED = 2_147_483_647
 
 def load_dataset(record: DatasetRecord, settings: Settings, channels: int, height: int, width: int, *,
                  seed: int = 0, resize_size: int | None = None, split: Literal["train", "test"] = "train",
-                 should_stop: Callable[[], str | None] | None = None) -> ImageTensors:
+                 should_stop: Callable[[], str | None] | None = None, device: str | None = None) -> ImageTensors:
     """A dataset's images at the model's input. split="test": torchvision's test split of a built-in,
     fresh noise for `fake`; an upload has one split, all of its images (`evaluation_split`). A job
-    passes its stop check: it is asked while the job waits for another worker's decode of the set."""
+    passes its stop check: it is asked while the job waits for another worker's decode of the set;
+    and its torch device: an upload's first decode uses it as TORCHYARD_DECODE says (DeviceDecode)."""
     if record.kind == "fake":
         return load_fake(channels, height, width, seed=FAKE_TEST_SEED if split == "test" else seed)
     if record.kind == "torchvision":
@@ -329,7 +339,8 @@ def load_dataset(record: DatasetRecord, settings: Settings, channels: int, heigh
                                 download=settings.allow_download, verify_checksums=settings.verify_builtin_checksums,
                                 train=split == "train", resize_size=resize_size)
     return load_image_folder(settings.datasets_dir / record.id, channels, height, width, resize_size,
-                             should_stop=should_stop, wait_limit_s=settings.decode_lock_wait_s)
+                             should_stop=should_stop, wait_limit_s=settings.decode_lock_wait_s,
+                             device_decode=DeviceDecode.chosen(settings, device))
 
 
 def evaluation_split(record: DatasetRecord) -> Literal["test", "all"]:

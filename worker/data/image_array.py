@@ -41,9 +41,9 @@ if TYPE_CHECKING:
 
 # Bumped whenever image_to_array's output changes for some input: datasets decoded by an older
 # transform (worker/data/datasets.py's caches) are decoded again, so training data stays what /predict sees.
-# 2: JPEG draft (below). Training data is decoded by Pillow alone (worker/data/dataset_decode.py):
-# torchvision's JPEG decoder (fast_jpeg_array) is /predict's and batch predictions', within
-# JPEG_TOLERANCE of it.
+# 2: JPEG draft (below). Training data is decoded by Pillow (worker/data/dataset_decode.py), and on a
+# CUDA worker its baseline JPEGs by nvJPEG (worker/data/device_dataset_decode.py): torchvision's JPEG
+# decoders (fast_jpeg_array, nvJPEG) are within JPEG_TOLERANCE of Pillow, so they share this version.
 TRANSFORM_VERSION = 2
 
 # What the two decoders of a JPEG may differ by, in uint8 levels, against the preprocessing

@@ -34,7 +34,7 @@ def run_evaluate_job(job: Job, ctx: JobContext) -> JobOutcome:
     ctx.set_classes(meta.classes)
     record = ctx.catalog.get(job.dataset)
     data = load_dataset(record, ctx.settings, pre.channels, pre.height, pre.width, resize_size=pre.resize_size,
-                        split="test", should_stop=ctx.should_stop)
+                        split="test", should_stop=ctx.should_stop, device=ctx.device.torch_device)
     unknown = [name for name in data.classes if name not in meta.classes]
     if unknown:
         raise JobFailed(f"dataset {job.dataset} has classes the model does not: {', '.join(unknown[:20])}")

@@ -57,7 +57,7 @@ def training_inputs(job: Job, settings: Settings, catalog: DatasetCatalog, store
     else:  # a record from before that: the starting weights' own ratio, as it was decided then
         resize = round(height * initial.resize_ratio) if initial is not None and initial.resize_ratio else None
     data = load_dataset(catalog.get(job.dataset), settings, channels, height, width, seed=params.seed,
-                        resize_size=resize, should_stop=should_stop)
+                        resize_size=resize, should_stop=should_stop, device=torch_device)
     return TrainingInputs(params, channels, height, width, initial, resize, data, device)
 
 

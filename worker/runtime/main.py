@@ -76,11 +76,11 @@ def run_worker(settings: Settings, device: WorkerDevice) -> int:
     from core.gangs import GangRecords, GangScheduler
     from core.gangs.policy import reservation_s
     from core.queue import create_celery, dispatcher
+    from worker.data.device_jpeg import device_decodes
     from worker.device.health import DeviceHealth
     from worker.device.pinning import check_cuda
     from worker.gang.member import GangServices
     from worker.runtime.heartbeat import Heartbeat, Sweeper
-    from worker.serving.device_decode import device_decodes
     from worker.serving.engine import InferenceServer
     from worker.serving.model_cache import ModelCache
 

@@ -124,7 +124,7 @@ class HostStaging:
     def upload(self, arrays: list[np.ndarray] | list[np.ndarray | torch.Tensor], rows: int) -> torch.Tensor:
         """`arrays` (each C×H×W, one dtype: uint8 images or float32 preprocessed inputs) as one
         `rows`-long batch of that dtype on the device; rows past `len(arrays)` are zeros. Rows
-        decoded on the device already (worker/serving/device_decode.py: torch tensors there) are
+        decoded on the device already (worker/data/device_jpeg.py: torch tensors there) are
         stacked there, with no staging buffer."""
         if rows > self.capacity or rows < len(arrays):
             raise ValueError(f"{len(arrays)} images in {rows} rows; the staging buffers hold {self.capacity}")

@@ -20,7 +20,7 @@ never a request (worker/serving/decode_processes.py): `PendingDecode.result` alw
 row or a refusal for every image.
 
 On a CUDA worker with TORCHYARD_DECODE=cuda or auto, a batch's baseline JPEGs are decoded by nvJPEG
-on the device instead (worker/serving/device_decode.py), on the assembly thread inside the engine's
+on the device instead (worker/data/device_jpeg.py), on the assembly thread inside the engine's
 stream, while the rest (and any the device refuses) take the path above: `DevicePendingDecode`.
 Its rows are then device tensors, which the staging stacks on the device.
 """
@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from worker.checkpoints.format import ModelMeta
+from worker.data.device_jpeg import DeviceJpegDecoder, device_jpeg_plan
 from worker.data.image_array import BadImage, InputSpec
 from worker.serving.decode_processes import Chunk, DecodeProcesses, Sent, decode_chunk
-from worker.serving.device_decode import DeviceJpegDecoder, device_jpeg_plan
 
 Row = np.ndarray | torch.Tensor | BadImage
 

@@ -48,13 +48,13 @@ from core.config import Settings
 from core.logs import RedisOutageLog
 from core.wire import Encoding, PredictReply, PredictRequest, PreloadedModel, PreloadRequest
 from worker.checkpoints.format import CheckpointError
+from worker.data.device_jpeg import DeviceJpegDecoder
 from worker.data.image_array import BadImage
 from worker.device.cpu_threads import ForwardThreads, pin_to_one_thread, usable_cores
 from worker.device.health import DeviceHealth
 from worker.device.pinning import WorkerDevice
 from worker.serving.batching import BatchWindow
 from worker.serving.decode import Decoder, DevicePendingDecode, PendingDecode
-from worker.serving.device_decode import DeviceJpegDecoder
 from worker.serving.device_loop import DeviceLoop
 from worker.serving.model_cache import ModelCache, ResidentModel
 from worker.serving.replies import PreparedGroup, send_results
@@ -95,7 +95,7 @@ class InferenceServer:
         runs on this worker, on one for a light model, on one while a job runs (worker/device/cpu_threads.py).
         Padding to bucketed sizes pays on a GPU and costs on a CPU; the tests turn it on for the
         CPU to run the same path. `device_decode`: a batch's JPEGs decoded on the device
-        (worker/serving/device_decode.py; the runtime sets it on a CUDA worker from TORCHYARD_DECODE, the
+        (worker/data/device_jpeg.py; the runtime sets it on a CUDA worker from TORCHYARD_DECODE, the
         tests on a CPU one to run its path: torchvision decodes there the same way)."""
         self.device = device
         self.cache = cache
@@ -289,7 +289,7 @@ class InferenceServer:
                     self.device_loop.hand_over(groups)
             except Exception as exc:  # a failure answers its callers and never stops the thread
                 self.stats.failed()
-                # A sticky device error from decoding on the device (nvJPEG: worker/serving/device_decode.py)
+                # A sticky device error from decoding on the device (nvJPEG: worker/data/device_jpeg.py)
                 # takes the worker out of service as the forward's would (device_loop.DeviceLoop._run).
                 health = self.device_loop.health
                 reason = health.job_failed(exc) if health is not None else None

@@ -1,4 +1,4 @@
-"""/predict's JPEGs decoded on the device (worker/serving/device_decode.py): the selection, the
+"""/predict's JPEGs decoded on the device (worker/data/device_jpeg.py): the selection, the
 grouping under a pixel budget, and every fallback, run by its CPU twin (torchvision's decode_jpeg
 takes device="cpu" the same way), plus the same checks on a GPU (`gpu` marker: skipped here) with
 crafted files. Each image's row is the contract's (the CPU path's) within JPEG_TOLERANCE, and one
@@ -22,10 +22,10 @@ from core.wire import PredictReply
 from tests.datagen import photo_jpeg
 from tests.worker.serving.test_engine import META, _encode, _request, _rgb, _save
 from worker.data import torch_jpeg  # noqa: F401  (imported: decode_image's CPU path uses it from the first call)
+from worker.data.device_jpeg import DeviceJpegDecoder, device_decodes, device_jpeg_plan, pixel_groups
 from worker.data.image_array import JPEG_TOLERANCE_MAX, BadImage, InputSpec, decode_image
 from worker.data.normalization import normalize, stats_tensors
 from worker.device.pinning import WorkerDevice
-from worker.serving.device_decode import DeviceJpegDecoder, device_decodes, device_jpeg_plan
 from worker.serving.engine import InferenceServer
 from worker.serving.model_cache import ModelCache
 
@@ -116,7 +116,7 @@ def test_a_batch_is_split_under_the_pixel_budget() -> None:
     photos = [photo_jpeg(500, 375, seed=i) for i in range(5)]
     decoder = DeviceJpegDecoder(torch.device("cpu"), LIMIT, batch_pixels=2 * 500 * 375)
     plans = [device_jpeg_plan(p, SPEC, LIMIT) for p in photos]
-    assert decoder._groups(plans) == [[0, 1], [2, 3], [4]]
+    assert pixel_groups(plans, 2 * 500 * 375) == [[0, 1], [2, 3], [4]]
     cpu, calls = cpu_path()
     assert all(isinstance(r, torch.Tensor) for r in decoder.decode(photos, SPEC, cpu)) and not calls
 

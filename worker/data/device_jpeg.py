@@ -1,5 +1,8 @@
-"""/predict's JPEGs decoded on the device: nvJPEG through torchvision's batched `decode_jpeg`, the
-resize on the device, the CPU path for every image nvJPEG is not given or refuses.
+"""JPEGs decoded on the device: nvJPEG through torchvision's batched `decode_jpeg`, the resize on the
+device, the CPU path for every image nvJPEG is not given or refuses. Two callers: /predict's batches
+(worker/serving/decode.py, rows handed to the forward on the device) and an upload's first decode
+(worker/data/device_dataset_decode.py, rows copied back into the set's host array); the plan, the
+batching under the pixel budget, the retry per image and the sticky-error rule are written once, here.
 
 Why: on a GPU host the CPU decode is the wall (2.2-2.4 ms of a worker's 2.5 ms of CPU per photo,
 issue 40), while nvJPEG decodes a batch of photos on the GPU for a fraction of the forward's cost.
@@ -16,7 +19,9 @@ Every CUDA call here is checked against torchvision's / PyTorch's documentation 
   batch is decoded again one image at a time, and an image that fails alone goes to the CPU path;
 - `torchvision.transforms.v2.functional.resize(uint8 tensor on the device, antialias=True)`: any
   device (a uint8 image on CUDA is resized in float32 and rounded back);
-- nothing else: the rows go to the forward as device tensors (`torch.stack`), no host copy.
+- nothing else here: /predict's rows go to the forward as device tensors (`torch.stack`), no host
+  copy; an upload's first decode stacks a group's rows and copies them back with `.cpu()`, which
+  waits for the group's kernels (worker/data/device_dataset_decode.py).
 
 What nvJPEG is not given (`device_jpeg_plan`): anything but an 8-bit baseline Huffman JPEG of one
 or three components (progressive, 12-bit, CMYK, arithmetic coding, PNG and the other formats), a
@@ -44,16 +49,17 @@ END_OF_IMAGE = b"\xff\xd9"
 BASELINE_FRAMES = (0xC0, 0xC1)  # SOF0, SOF1: what nvJPEG's GPU path takes (progressive goes to the CPU)
 
 Row = torch.Tensor | BadImage
+Plan = tuple[tuple[int, int], bool, int]  # resize to (width, height), centre crop after it, decoded pixels
 
 
 def device_decodes(setting: str, device_kind: str) -> bool:
-    """Does a worker of `device_kind` decode /predict's JPEGs on its device, under TORCHYARD_DECODE=
-    `setting`? `cpu` never; `cuda` and `auto` on a CUDA device (auto: until a GPU measurement says
+    """Does a worker of `device_kind` decode JPEGs on its device (/predict's, and an upload's first
+    decode: worker/data/device_dataset_decode.py), under TORCHYARD_DECODE=`setting`? `cpu` never; `cuda` and `auto` on a CUDA device (auto: until a GPU measurement says
     the CPU path is faster there; a CPU worker has no other device to decode on)."""
     return setting != "cpu" and device_kind == "cuda"
 
 
-def device_jpeg_plan(data: bytes, spec: InputSpec, max_pixels: int) -> tuple[tuple[int, int], bool, int] | None:
+def device_jpeg_plan(data: bytes, spec: InputSpec, max_pixels: int) -> Plan | None:
     """(resize to (width, height), centre crop after it, the decoded pixels) for a JPEG nvJPEG is
     given, or None for the CPU path. Decided on the header alone."""
     header = read_header(data)
@@ -65,6 +71,26 @@ def device_jpeg_plan(data: bytes, spec: InputSpec, max_pixels: int) -> tuple[tup
     if plan is None:
         return None
     return plan[0], plan[1], header.width * header.height
+
+
+def pixel_groups(plans: list[Plan | None], batch_pixels: int) -> list[list[int]]:
+    """The planned images' indices in groups of at most `batch_pixels` decoded pixels, in order (one
+    image alone may exceed it: its own group, bounded by the pixel limit). What bounds the device
+    memory one nvJPEG call holds."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    pixels = 0
+    for i, plan in enumerate(plans):
+        if plan is None:
+            continue
+        if current and pixels + plan[2] > batch_pixels:
+            groups.append(current)
+            current, pixels = [], 0
+        current.append(i)
+        pixels += plan[2]
+    if current:
+        groups.append(current)
+    return groups
 
 
 class DeviceJpegDecoder:
@@ -89,38 +115,22 @@ class DeviceJpegDecoder:
         caller's CPU path). Groups under `batch_pixels`, one batched call each."""
         rows: list[torch.Tensor | None] = [None] * len(blobs)
         plans = [device_jpeg_plan(blob, spec, self.max_pixels) for blob in blobs]
-        for group in self._groups(plans):
-            self._decode_group(blobs, plans, group, spec, rows)
+        for group in pixel_groups(plans, self.batch_pixels):
+            decoded = self.decode_batch([blobs[i] for i in group], [p for i in group if (p := plans[i]) is not None], spec)
+            for i, row in zip(group, decoded, strict=True):
+                rows[i] = row
         return rows
 
-    def _groups(self, plans: list[tuple[tuple[int, int], bool, int] | None]) -> list[list[int]]:
-        """The planned images in groups of at most `batch_pixels` decoded pixels (one image alone
-        may exceed it: its own group, bounded by the pixel limit)."""
-        groups: list[list[int]] = []
-        current: list[int] = []
-        pixels = 0
-        for i, plan in enumerate(plans):
-            if plan is None:
-                continue
-            if current and pixels + plan[2] > self.batch_pixels:
-                groups.append(current)
-                current, pixels = [], 0
-            current.append(i)
-            pixels += plan[2]
-        if current:
-            groups.append(current)
-        return groups
-
-    def _decode_group(self, blobs: list[bytes], plans: list, group: list[int], spec: InputSpec,
-                      rows: list[torch.Tensor | None]) -> None:
-        """One nvJPEG batch; if the batch call fails, each image alone; one that fails alone is
-        left to the CPU path (its row stays None)."""
+    def decode_batch(self, blobs: list[bytes], plans: list[Plan], spec: InputSpec) -> list[torch.Tensor | None]:
+        """One nvJPEG call for `blobs` (planned: `plans`, one group of `pixel_groups`), each row resized
+        (and cropped) on the device; if the batch call fails, each image alone; one that fails alone
+        is None, left to the CPU path. A sticky device error is raised, never swallowed."""
         from torchvision.io import ImageReadMode, decode_jpeg
 
         mode = ImageReadMode.GRAY if spec.channels == 1 else ImageReadMode.RGB
-        inputs = [torch.frombuffer(bytearray(blobs[i]), dtype=torch.uint8) for i in group]
+        inputs = [torch.frombuffer(bytearray(blob), dtype=torch.uint8) for blob in blobs]
         try:
-            decoded = decode_jpeg(inputs, mode=mode, device=self.device)
+            decoded: list[torch.Tensor | None] = list(decode_jpeg(inputs, mode=mode, device=self.device))
         except RuntimeError as exc:
             self._raise_if_sticky(exc)
             decoded = []
@@ -130,10 +140,11 @@ class DeviceJpegDecoder:
                 except RuntimeError as alone:
                     self._raise_if_sticky(alone)
                     decoded.append(None)
-        for i, image in zip(group, decoded, strict=True):
-            if image is not None:
-                rows[i] = self._resize(image, spec, *plans[i][:2])
-                self.on_device += 1
+        rows: list[torch.Tensor | None] = []
+        for image, plan in zip(decoded, plans, strict=True):
+            rows.append(None if image is None else self._resize(image, spec, plan[0], plan[1]))
+        self.on_device += sum(row is not None for row in rows)
+        return rows
 
     @staticmethod
     def _resize(image: torch.Tensor, spec: InputSpec, resized: tuple[int, int], crop: bool) -> torch.Tensor:
