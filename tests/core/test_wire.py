@@ -54,10 +54,10 @@ def test_the_header_the_api_writes_is_the_models_json_byte_for_byte() -> None:
         assert hints[name] == field.annotation, name
         if not field.is_required():
             assert parameters[name].default == field.default, name
-    cases = [dict(job_id="j-1", alias=None, top_k=5, reply_to="ty:inbox", request_id="ab12", queued_at=1764300000.123456,
-                  deadline=1764300030.5, images=[("x.png", 0, 3)]),
-             dict(job_id="j-2", alias="pets", top_k=1, reply_to="ty:inbox", request_id="cd34", queued_at=1.0, deadline=2.0,
-                  images=[(None, 0, 1), ("é €.jpg", 1, 2)], encoding="fp32", shape=(3, 32, 32), reply="probabilities")]
+    cases = [{"job_id": "j-1", "alias": None, "top_k": 5, "reply_to": "ty:inbox", "request_id": "ab12", "queued_at": 1764300000.123456,
+                  "deadline": 1764300030.5, "images": [("x.png", 0, 3)]},
+             {"job_id": "j-2", "alias": "pets", "top_k": 1, "reply_to": "ty:inbox", "request_id": "cd34", "queued_at": 1.0, "deadline": 2.0,
+                  "images": [(None, 0, 1), ("é €.jpg", 1, 2)], "encoding": "fp32", "shape": (3, 32, 32), "reply": "probabilities"}]
     for fields in cases:
         model = PredictHeader(**fields)
         assert encode_header(**fields) == model.model_dump_json().encode()
