@@ -1,7 +1,8 @@
 """Where decoding processes pay for /predict: a batch of 32 identical images decoded on the calling
 thread alone, against half of them sent to one decoding process while the calling thread decodes
 the rest (worker/serving/decode.Decoder's split on a 2-core host), for images from a 32×32 PNG to
-a 500×375 photo. worker/serving/decode.DecodeSplit.POOL_FROM_S is where the ratio passes 1.
+a 500×375 photo. Where the ratio passes 1 is worker/serving/decode.DecodeSplit's threshold, which it
+keeps in units of the host's reference decode (REFERENCE_DECODES).
 
     flock /tmp/torchyard-bench.lock .venv/bin/python bench/decode_split.py [--rounds 5]
 """

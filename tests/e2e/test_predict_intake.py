@@ -56,7 +56,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, redis_base_url: str) -> It
 
 
 def _jpeg(seed: int, marked: bool = False) -> bytes:
-    """256×256 of noise: its decode costs several times DecodeSplit.POOL_FROM_S, so a batch of two
+    """256×256 of noise: its decode costs several times DecodeSplit's threshold, so a batch of two
     or more goes to the decoding processes. A marked one kills the decoding process that opens it."""
     buffer = io.BytesIO()
     Image.fromarray(np.random.default_rng(seed).integers(0, 256, (256, 256, 3), dtype=np.uint8)).save(

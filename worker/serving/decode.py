@@ -27,15 +27,18 @@ Its rows are then device tensors, which the staging stacks on the device.
 
 from __future__ import annotations
 
+import io
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
+from PIL import Image
 
 from worker.checkpoints.format import ModelMeta
 from worker.data.device_jpeg import DeviceJpegDecoder, device_jpeg_plan
-from worker.data.image_array import BadImage, InputSpec
+from worker.data.image_array import BadImage, InputSpec, decode_image
 from worker.serving.decode_processes import Chunk, DecodeProcesses, Sent, decode_chunk
 
 Row = np.ndarray | torch.Tensor | BadImage
@@ -48,18 +51,27 @@ class DecodeSplit:
     A small image decodes in less than its trip to a decoding process and back costs, while a
     photo is mostly the decoder's work. The encoded size does not tell them apart (a small PNG of
     noise is a large file and cheap to decode), so the intake thread times its own share in CPU
-    time and the split follows a running average of that."""
+    time and the split follows a running average of that.
 
-    POOL_FROM_S = 120e-6  # an image's decode CPU from which the processes pay (bench/decode_split.py)
+    Where the processes start to pay is in the host's own units: REFERENCE_DECODES times what the
+    reference image (`reference_decode_s`: a 32×32 PNG of noise, the cheapest image /predict sees)
+    costs this process to decode. The trip to a process costs CPU in proportion to a core's speed,
+    as a decode does; a fixed 120 µs, set where bench/decode_split.py found the crossing on one
+    host, sent a slower host's 32×32 PNGs (74 µs there, more under load) to the processes, at three
+    to four times the worker's CPU per request (docs/benchmarks.md, "The service's own CPU per
+    request")."""
+
+    REFERENCE_DECODES = 4.0  # the crossing: 120 µs on the 2-core AMD host, whose reference decode took 31 µs
     WEIGHT = 0.2  # of the newest batch in the running average
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, threads: int, pool_from_s: float | None = None) -> None:
         self.threads = max(1, threads)
+        self.pool_from_s = pool_from_s if pool_from_s is not None else self.REFERENCE_DECODES * reference_decode_s()
         self.image_s: float | None = None  # running average of one image's decode CPU, once measured
 
     def chunks(self, images: int) -> int:
         """How many chunks (threads) a batch of `images` is decoded in."""
-        if images <= 1 or self.image_s is None or self.image_s < self.POOL_FROM_S:
+        if images <= 1 or self.image_s is None or self.image_s < self.pool_from_s:
             return 1
         return min(self.threads, images)
 
@@ -69,6 +81,20 @@ class DecodeSplit:
             return
         one = cpu_s / images
         self.image_s = one if self.image_s is None else self.image_s + self.WEIGHT * (one - self.image_s)
+
+
+def reference_decode_s(tries: int = 15) -> float:
+    """This thread's CPU time to decode the reference image (a 32×32 PNG of noise) to 32×32 through
+    the one transform, best of `tries` (the best is what the host can do; a busy moment only adds)."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(buffer, "PNG")
+    data, spec = buffer.getvalue(), InputSpec(3, 32, 32)
+    best = float("inf")
+    for _ in range(tries):
+        began = time.thread_time()
+        decode_image(data, spec, 32 * 32)
+        best = min(best, time.thread_time() - began)
+    return best
 
 
 class PendingDecode:

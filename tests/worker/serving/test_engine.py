@@ -157,20 +157,36 @@ def test_queued_requests_run_as_one_batch_and_bad_ones_are_answered_alone(clean_
 
 
 def test_images_are_decoded_on_one_thread_until_they_cost_enough_for_the_pool() -> None:
-    split = DecodeSplit(threads=4)
+    split = DecodeSplit(threads=4, pool_from_s=120e-6)
     assert split.chunks(32) == 1  # nothing measured yet: the intake thread alone
     split.observe(32 * 30e-6, 32)  # 30 µs an image (a 32×32 PNG): threads would only contend for the GIL
     assert split.chunks(32) == 1
-    split.observe(16 * 600e-6, 16)  # large images now: the average (144 µs) is past POOL_FROM_S
+    split.observe(16 * 600e-6, 16)  # large images now: the average (144 µs) is past pool_from_s
     assert split.chunks(32) == 4 and split.chunks(3) == 3 and split.chunks(1) == 1
     for _ in range(12):  # small ones again: back to one thread once the average has come down
         split.observe(32 * 20e-6, 32)
     assert split.chunks(32) == 1
 
 
+def test_the_split_is_in_the_hosts_own_units() -> None:
+    """Without a threshold given, it is REFERENCE_DECODES times the reference decode measured here:
+    a 32×32 PNG (the reference itself) stays on the intake thread on any host, and an image costing
+    ten reference decodes goes to the pool."""
+    from worker.serving.decode import reference_decode_s
+
+    split = DecodeSplit(threads=4)
+    reference = reference_decode_s()
+    assert 0 < split.pool_from_s <= DecodeSplit.REFERENCE_DECODES * reference * 3  # a busy moment only adds
+    split.observe(32 * reference, 32)
+    assert split.chunks(32) == 1
+    for _ in range(20):
+        split.observe(32 * 10 * split.pool_from_s / DecodeSplit.REFERENCE_DECODES, 32)
+    assert split.chunks(32) == 4
+
+
 def test_large_images_are_decoded_by_the_pool_with_the_same_answers(clean_redis_url: str, tmp_path) -> None:
     """The first batch is decoded on the intake thread and timed; 256×256 JPEGs cost far more than
-    DecodeSplit.POOL_FROM_S each on any CPU, so the second is split over the pool, in order."""
+    DecodeSplit's threshold each on any CPU (several dozen of its reference decodes), so the second is split over the pool, in order."""
     client = redis.Redis.from_url(clean_redis_url)
     paths = CheckpointPaths(tmp_path)
     model = _save(paths, "job-a", 8)
