@@ -4,11 +4,13 @@ checks that refuse past a quota with a 429 naming it and its value.
 Enforced here (and `predict_per_second` by the API's gate, app/api/access.PredictRate, on the
 prediction routes before their bodies: a counter per project and second in Redis): `queued_jobs` (a job is refused at creation while its project has that many queued:
 waiting helps, so the 429 carries Retry-After) and `dataset_bytes` (an upload whose archive would
-take the project's uploads past it: waiting does not help, no Retry-After). Both are checked
-before the write and not in the same transaction, so two requests at once may pass one over by
-one each: a quota bounds a team's share, it is not an exact counter. Usage is read from the
-records themselves (the queued and running jobs' index, the datasets' records), so it cannot
-drift from what exists.
+take the project's uploads past it: waiting does not help, no Retry-After). Both are exact: each
+is judged inside the transaction that writes (the job store's create, core/jobs/intake.py, and
+the catalog's record of an upload, core/datasets.py), which WATCHes what the judgement read (the
+quota, the queued jobs' index, the datasets' index), so of N requests at once at a quota of q
+exactly q pass; `dataset_bytes` is also checked before the archive is extracted, to refuse
+early. Usage is read from the records themselves (the queued and running jobs' index, the
+datasets' records), so it cannot drift from what exists, and no counter needs giving back.
 
 `running_jobs`, `devices_held` and `device_seconds_per_day` hold a job's start instead of refusing
 it (core/access/holds.py: checked in the claim's own transaction, exact); only a project that
@@ -97,6 +99,15 @@ class Quotas:
                      held_jobs=sum(1 for p in self._fields(parked, keys.job, "project") if project_of(p) == project))
 
     # ------------------------------------------------------------------ checks
+    def admission_keys(self, project: str) -> list[str]:
+        """What a job's creation WATCHes before `admit_job` (core/jobs/records.Admission): the quota,
+        and the queued jobs' index when `queued_jobs` is set (any job that enters or leaves queued
+        meanwhile makes the creation judge again; a project without the quota does not wait on it)."""
+        watched = [keys.project_quota(project)]
+        if self.get(project).queued_jobs is not None:
+            watched.append(keys.jobs_with_status("queued"))
+        return watched
+
     def admit_job(self, project: str) -> None:
         """OverQuota when `project` has its `queued_jobs` quota of jobs queued already, or has used
         its `device_seconds_per_day` of this UTC day (Retry-After: the seconds to the next day)."""

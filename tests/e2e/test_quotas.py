@@ -1,12 +1,15 @@
 """Projects' quotas against a real API process (the bootstrap key, no worker: jobs stay queued)
 and a real Redis: a job over `queued_jobs` is a 429 with Retry-After naming the quota, an upload
-over `dataset_bytes` a 429 without (waiting does not help); a project's members read its quotas
-and use, others get a 404; `torchyard projects show|set-quota`."""
+over `dataset_bytes` a 429 without (waiting does not help); both exact under requests at once
+(threads hitting the API together); a project's members read its quotas and use, others get a
+404; `torchyard projects show|set-quota`."""
 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -83,6 +86,44 @@ def test_an_upload_past_the_dataset_bytes_quota_is_a_429_without_retry_after(api
     assert api["gamma-viewer"].get("/projects/gamma").json()["usage"]["dataset_bytes"] == len(archive)
     assert gamma.delete(f"/datasets/{first.json()['id']}").status_code == 204
     assert upload().status_code == 201
+
+
+def _at_once(count: int, base: str, secret: str, request: Callable[[httpx.Client], httpx.Response]) -> list[int]:
+    """`count` requests sent together (each thread on its own connection, released by a barrier):
+    their statuses."""
+    start = threading.Barrier(count)
+
+    def one(_: int) -> int:
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {secret}"}, timeout=120) as client:
+            start.wait()
+            return request(client).status_code
+
+    with ThreadPoolExecutor(count) as pool:
+        return sorted(pool.map(one, range(count)))
+
+
+def _trainer_of(api: dict, project: str) -> str:
+    made = api["admin"].post("/keys", json={"name": f"{project}-trainer", "role": "trainer", "project": project})
+    assert made.status_code == 201, made.text
+    return str(made.json()["secret"])
+
+
+def test_jobs_at_once_at_the_queued_jobs_quota_admit_exactly_it(api: dict) -> None:
+    secret = _trainer_of(api, "zeta")
+    assert api["admin"].put("/projects/zeta", json={"queued_jobs": 2}).status_code == 200
+    statuses = _at_once(8, api["base"], secret, lambda client: client.post("/jobs", json=JOB))
+    assert statuses == [202] * 2 + [429] * 6
+    assert api["admin"].get("/projects/zeta").json()["usage"]["queued_jobs"] == 2
+
+
+def test_uploads_at_once_at_the_dataset_bytes_quota_admit_exactly_it(api: dict) -> None:
+    archive = pattern_zip()
+    secret = _trainer_of(api, "eta")
+    assert api["admin"].put("/projects/eta", json={"dataset_bytes": 2 * len(archive) + 10}).status_code == 200
+    statuses = _at_once(6, api["base"], secret,
+                        lambda client: client.post("/datasets", files={"file": ("d.zip", archive, "application/zip")}))
+    assert statuses == [201] * 2 + [429] * 4
+    assert api["admin"].get("/projects/eta").json()["usage"]["dataset_bytes"] == 2 * len(archive)
 
 
 def test_a_project_is_read_by_its_members_and_set_by_an_admin(api: dict) -> None:
