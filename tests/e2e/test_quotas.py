@@ -170,3 +170,26 @@ def test_predictions_past_the_predict_per_second_quota_are_a_429_before_the_body
     assert api["gamma"].post("/v2/models/nosuchjob/infer", json={"inputs": []}).status_code == 429
     assert api["delta"].post("/predict", **form).status_code != 429  # another project's quota is its own
     assert api["admin"].put("/projects/gamma", json={"predict_per_second": None}).status_code == 200
+
+
+def test_the_sdk_manages_keys_and_quotas_with_typed_answers(api: dict) -> None:
+    """What `torchyard keys` and `torchyard projects` do, through the SDK's public calls (client/teams.py)."""
+    from client.sdk import ApiError, TorchyardClient
+    from core.access.models import KeyCreated, ProjectView
+    from core.access.roles import Role
+
+    with TorchyardClient(api["base"], api_key=KEY) as ty:
+        made = ty.create_key("theta-bot", "viewer", project="theta", expires_in_days=1)
+        assert isinstance(made, KeyCreated) and made.role is Role.viewer and made.secret.startswith("tyk_")
+        listed = {k.id: k for k in ty.api_keys()}
+        assert listed[made.id].active and not hasattr(listed[made.id], "secret")
+        changed = ty.update_quota("theta", queued_jobs=3, devices_held=2)
+        assert isinstance(changed, ProjectView) and changed.quota.queued_jobs == 3
+        kept = ty.update_quota("theta", queued_jobs=None)  # the others stay as they were
+        assert kept.quota.queued_jobs is None and kept.quota.devices_held == 2
+        assert ty.project("theta").usage.queued_jobs == 0
+        ty.revoke_key(made.id)
+        assert not {k.id: k for k in ty.api_keys()}[made.id].active
+    with TorchyardClient(api["base"], api_key=made.secret) as revoked, pytest.raises(ApiError) as refused:
+        revoked.project("theta")
+    assert refused.value.status == 401
