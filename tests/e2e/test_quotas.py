@@ -10,13 +10,13 @@ import subprocess
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.e2e.conftest import KeyedApi
 from tests.e2e.test_cli import CLI, cli_env
-from tests.support import REPO, Processes, flush, pattern_zip, with_db
+from tests.support import REPO, pattern_zip
 
 pytestmark = pytest.mark.e2e
 
@@ -26,26 +26,18 @@ NO_QUOTA = {"queued_jobs": None, "dataset_bytes": None, "predict_per_second": No
             "devices_held": None, "device_seconds_per_day": None}
 
 
+KEYED_API_KEYS = [("gamma", "trainer", "gamma"), ("gamma-viewer", "viewer", "gamma"), ("delta", "trainer", "delta")]
+
+
 @pytest.fixture(scope="module")
-def api(redis_base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    data_dir: Path = tmp_path_factory.mktemp("quotas")
-    url = with_db(redis_base_url, 15)
-    flush(url)
-    procs = Processes(url, data_dir, data_dir / "logs", TORCHYARD_API_KEY=KEY)
-    base = procs.ready_api()
-    admin = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-    clients = {"admin": admin}
+def api(keyed_api: KeyedApi) -> Iterator[dict]:
+    """The module's keyed API (tests/e2e/conftest.py) and a client per key."""
+    clients = {"admin": keyed_api.client(), **{name: keyed_api.client(name) for name in keyed_api.secrets}}
     try:
-        for name, role, project in (("gamma", "trainer", "gamma"), ("gamma-viewer", "viewer", "gamma"),
-                                    ("delta", "trainer", "delta")):
-            secret = admin.post("/keys", json={"name": name, "role": role, "project": project}).json()["secret"]
-            clients[name] = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {secret}"}, timeout=60)
-        yield {"base": base, **clients}
+        yield {"base": keyed_api.base, **clients}
     finally:
         for client in clients.values():
             client.close()
-        procs.stop_all()
-        flush(url)
 
 
 def test_a_job_past_the_queued_jobs_quota_is_a_429_to_retry(api: dict) -> None:
