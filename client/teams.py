@@ -11,7 +11,7 @@ from typing import Any
 from urllib.parse import quote
 
 from client.http import Connection
-from core.access.models import KeyCreate, KeyCreated, KeyInfo, KeyList, ProjectView, Quota
+from core.access.models import KeyCreated, KeyInfo, KeyList, ProjectView, Quota
 from core.access.roles import Role
 from core.sweeps.spec import Sweep, SweepList
 
@@ -24,10 +24,12 @@ class TeamCalls(Connection):
 
     def create_key(self, name: str, role: Role | str, project: str = "default",
                    expires_in_days: float | None = None) -> KeyCreated:
-        """A new key; its `secret` is in this answer only."""
-        body = KeyCreate(name=name, role=Role(role), project=project, expires_in_days=expires_in_days)
-        return KeyCreated.model_validate(
-            self._request("POST", "/keys", json=body.model_dump(mode="json", exclude_none=True)).json())
+        """A new key; its `secret` is in this answer only. The server checks the body (an ApiError
+        422 names what is wrong), as it does every other call's."""
+        body: dict[str, Any] = {"name": name, "role": str(role), "project": project}
+        if expires_in_days is not None:
+            body["expires_in_days"] = expires_in_days
+        return KeyCreated.model_validate(self._request("POST", "/keys", json=body).json())
 
     def revoke_key(self, key_id: str) -> None:
         """Revoked: every API process refuses it within a second (again: the same state)."""
@@ -38,15 +40,16 @@ class TeamCalls(Connection):
         """A project's quotas and what it uses now (its own keys, or an admin)."""
         return ProjectView.model_validate(self._request("GET", f"/projects/{quote(name, safe='')}").json())
 
-    def set_quota(self, name: str, quota: Quota) -> ProjectView:
-        """Set every quota of `name` to `quota`'s (None: no quota); an admin's. `update_quota` changes some."""
-        return ProjectView.model_validate(
-            self._request("PUT", f"/projects/{quote(name, safe='')}", json=quota.model_dump(mode="json")).json())
+    def set_quota(self, name: str, quota: Quota | dict[str, int | None]) -> ProjectView:
+        """Set every quota of `name` to `quota`'s (None or absent: no quota); an admin's. `update_quota`
+        changes some and keeps the others."""
+        body = quota.model_dump(mode="json") if isinstance(quota, Quota) else quota
+        return ProjectView.model_validate(self._request("PUT", f"/projects/{quote(name, safe='')}", json=body).json())
 
     def update_quota(self, name: str, **limits: int | None) -> ProjectView:
         """Change the named quotas of `name` (None: no quota), keeping the others as they are."""
-        current = self.project(name).quota
-        return self.set_quota(name, Quota.model_validate({**current.model_dump(), **limits}))
+        current: dict[str, int | None] = self.project(name).quota.model_dump(mode="json")
+        return self.set_quota(name, {**current, **limits})
 
     # ------------------------------------------------------------------ sweeps
     def start_sweep(self, body: dict[str, Any], idempotency_key: str | None = None) -> Sweep:

@@ -180,6 +180,9 @@ def test_the_sdk_manages_keys_and_quotas_with_typed_answers(api: dict) -> None:
         kept = ty.update_quota("theta", queued_jobs=None)  # the others stay as they were
         assert kept.quota.queued_jobs is None and kept.quota.devices_held == 2
         assert ty.project("theta").usage.queued_jobs == 0
+        with pytest.raises(ApiError) as invalid:  # the server checks the body, as for any call
+            ty.update_quota("theta", queued_jobs=-1)
+        assert invalid.value.status == 422 and ty.project("theta").quota.devices_held == 2
         ty.revoke_key(made.id)
         assert not {k.id: k for k in ty.api_keys()}[made.id].active
     with TorchyardClient(api["base"], api_key=made.secret) as revoked, pytest.raises(ApiError) as refused:
