@@ -67,15 +67,22 @@ class Connection:
     """The connection pool and `_request`: private to the SDK's own classes (the commands call
     their public methods; tests/test_layers.py checks)."""
 
-    def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.url = (url or os.environ.get("TORCHYARD_URL") or DEFAULT_URL).rstrip("/")
         key = api_key if api_key is not None else os.environ.get("TORCHYARD_API_KEY")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         # Who moved an alias is recorded from this (the API key is shared): the client and the person.
         headers["User-Agent"] = user_agent()
-        self._http = httpx.Client(base_url=self.url, headers=headers, transport=transport,
-                                  timeout=httpx.Timeout(timeout, connect=10.0))
+        self._http = httpx.Client(
+            base_url=self.url, headers=headers, transport=transport, timeout=httpx.Timeout(timeout, connect=10.0)
+        )
 
     def __enter__(self) -> Self:
         return self

@@ -22,8 +22,9 @@ class TeamCalls(Connection):
         """Every key: never a secret (the server keeps only a hash of each)."""
         return KeyList.model_validate(self._request("GET", "/keys").json()).keys
 
-    def create_key(self, name: str, role: Role | str, project: str = "default",
-                   expires_in_days: float | None = None) -> KeyCreated:
+    def create_key(
+        self, name: str, role: Role | str, project: str = "default", expires_in_days: float | None = None
+    ) -> KeyCreated:
         """A new key; its `secret` is in this answer only. The server checks the body (an ApiError
         422 names what is wrong), as it does every other call's."""
         body: dict[str, Any] = {"name": name, "role": str(role), "project": project}

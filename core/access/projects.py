@@ -21,6 +21,7 @@ they act for: the retention cleanup and the sweeps' tick `acting_everywhere()`, 
 for a request's object (a sweep's trials, an export) takes that object's project (`acting_as`).
 The /predict engine's watcher acts for no one: each request in flight carries its project.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -121,8 +122,10 @@ def home() -> str:
     an API process (nobody said whose it would be)."""
     now = acting()
     if now is NOWHERE:
-        raise NoActingProject("nothing may be made outside a request in the API process without saying whose "
-                              "(core/access/projects.py: acting_as, acting_everywhere)")
+        raise NoActingProject(
+            "nothing may be made outside a request in the API process without saying whose "
+            "(core/access/projects.py: acting_as, acting_everywhere)"
+        )
     return now.home
 
 
