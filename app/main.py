@@ -42,6 +42,7 @@ from app.api.routes import (
 from app.api.services import Services
 from app.api.serving.direct import DIRECT
 from core import keys
+from core.access.projects import acting_everywhere, fail_closed, restore_default
 from core.config import Settings, get_settings
 from core.retention import CLEANUP_RETRY_S, Retention
 
@@ -59,10 +60,12 @@ def swagger_ui_assets() -> str:
 
 
 async def _cleanup_forever(retention: Retention, interval_s: float) -> None:
-    """Retention in the background: every API process tries each interval, one (a Redis lock) runs it."""
+    """Retention in the background: every API process tries each interval, one (a Redis lock) runs it,
+    over every project's jobs (the API process's default sees none: core/access/projects.py)."""
     while True:
         try:
-            await run_in_threadpool(retention.run_if_due)
+            with acting_everywhere():  # the thread-pool call copies this context
+                await run_in_threadpool(retention.run_if_due)
         except Exception as exc:
             # The reason on the ERROR line itself (a log reader without tracebacks sees it); the trace after.
             log.exception("the retention cleanup failed (%s: %s); it runs again in %.0f s", type(exc).__name__,
@@ -73,10 +76,12 @@ async def _cleanup_forever(retention: Retention, interval_s: float) -> None:
 async def _advance_sweeps_forever(services: Services, interval_s: float) -> None:
     """The sweeps' driver in the background: every API process looks each interval, or at once when
     a worker says a trial's job ended (ty:sweeps:nudge), and one at a time per sweep (a Redis lock)
-    tells its ended trials and asks for new ones (core/sweeps/)."""
+    tells its ended trials and asks for new ones (core/sweeps/): every project's sweeps, each
+    stepped in its own project (`acting_as` in the coordinator)."""
     while True:
         try:
-            await run_in_threadpool(services.sweeps.advance_all)
+            with acting_everywhere():
+                await run_in_threadpool(services.sweeps.advance_all)
         except Exception as exc:
             log.warning("advancing the sweeps failed (%s: %s); trying again in %.1f s", type(exc).__name__, exc,
                         interval_s)
@@ -129,6 +134,10 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Outside a request this process sees no project's objects: a path that lost its request's
+        # context finds nothing rather than everything (core/access/projects.py). Each request's
+        # project is set by the gate; the background tasks below say they act everywhere.
+        process_default = fail_closed()
         app.state.services = Services.build(settings)
         app.state.services.predictions.on_orphaned = app.state.metrics.predict_orphaned.inc
         cleanup = asyncio.create_task(_cleanup_forever(app.state.services.retention, settings.cleanup_interval_s))
@@ -145,6 +154,7 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await app.state.services.close()
+            restore_default(process_default)
 
     # FastAPI's own /docs and /openapi.json would be open to anyone; ours sit behind the API key.
     app = TorchyardApp(title="torchyard", version="1.0.0", lifespan=lifespan, docs_url=None, redoc_url=None,

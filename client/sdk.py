@@ -16,12 +16,8 @@ raises `ApiError` with `status=None`, so callers handle one exception type.
 
 from __future__ import annotations
 
-import getpass
 import hashlib
-import json
 import mimetypes
-import os
-import socket
 import tempfile
 import time
 import zipfile
@@ -34,7 +30,9 @@ from urllib.parse import quote
 import httpx
 from httpx_sse import connect_sse
 
-from client.events import RETRIABLE_STATUSES, Event, Waiting, parse_event
+from client.events import Event, Waiting, parse_event
+from client.http import ApiError, error_detail
+from client.teams import TeamCalls
 from core.defaults import TOP_K
 from core.schemas import (
     Alias,
@@ -48,55 +46,7 @@ from core.schemas import (
     PredictResponse,
 )
 
-DEFAULT_URL = "http://127.0.0.1:8000"
-
 T = TypeVar("T")
-
-
-def user_agent() -> str:
-    """`torchyard-client/<version> (<user>@<host>)`: what alias histories record as who moved it."""
-    try:
-        user = getpass.getuser()
-    except Exception:  # no user name in this environment (a container without /etc/passwd entry)
-        user = "unknown"
-    return f"torchyard-client/{_version()} ({user}@{socket.gethostname()})"
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("torchyard")
-    except PackageNotFoundError:
-        return "dev"
-
-
-class ApiError(Exception):
-    """A failed call: the HTTP status (None when the server could not be reached) and its `detail`."""
-
-    def __init__(self, status: int | None, detail: str) -> None:
-        super().__init__(detail)
-        self.status = status
-        self.detail = detail
-
-    def __str__(self) -> str:
-        return f"{self.status}: {self.detail}" if self.status else self.detail
-
-    @property
-    def retriable(self) -> bool:
-        """The server is unreachable, restarting or without its Redis: the same call may succeed later."""
-        return self.status is None or self.status in RETRIABLE_STATUSES
-
-
-def _detail(response: httpx.Response) -> str:
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip() or response.reason_phrase
-    if isinstance(body, dict) and "detail" in body:
-        detail = body["detail"]
-        return detail if isinstance(detail, str) else json.dumps(detail)
-    return response.text.strip() or response.reason_phrase
 
 
 def zip_directory(directory: Path, target: IO[bytes]) -> int:
@@ -110,37 +60,10 @@ def zip_directory(directory: Path, target: IO[bytes]) -> int:
     return count
 
 
-class TorchyardClient:
-    """One connection pool to one torchyard server. Use as a context manager, or call close()."""
-
-    def __init__(self, url: str | None = None, api_key: str | None = None, *, timeout: float = 60.0,
-                 transport: httpx.BaseTransport | None = None) -> None:
-        self.url = (url or os.environ.get("TORCHYARD_URL") or DEFAULT_URL).rstrip("/")
-        key = api_key if api_key is not None else os.environ.get("TORCHYARD_API_KEY")
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        # Who moved an alias is recorded from this (the API key is shared): the client and the person.
-        headers["User-Agent"] = user_agent()
-        self._http = httpx.Client(base_url=self.url, headers=headers, transport=transport,
-                                  timeout=httpx.Timeout(timeout, connect=10.0))
-
-    def __enter__(self) -> TorchyardClient:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._http.close()
-
-    # ------------------------------------------------------------------ plumbing
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        try:
-            response = self._http.request(method, path, **kwargs)
-        except httpx.TransportError as exc:
-            raise ApiError(None, f"cannot reach torchyard at {self.url}: {exc}") from exc
-        if response.status_code >= 400:
-            raise ApiError(response.status_code, _detail(response))
-        return response
+class TorchyardClient(TeamCalls):
+    """One connection pool to one torchyard server. Use as a context manager, or call close().
+    The keys', projects' and sweeps' calls are its base's (client/teams.py), the connection and
+    `ApiError` client/http.py's."""
 
     # ------------------------------------------------------------------ reading
     def health(self) -> dict[str, Any]:
@@ -271,7 +194,7 @@ class TorchyardClient:
             with self._http.stream("GET", url, params=params) as response:
                 if response.status_code >= 400:
                     response.read()
-                    raise ApiError(response.status_code, _detail(response))
+                    raise ApiError(response.status_code, error_detail(response))
                 if response.status_code == 202:
                     response.read()
                     return _Pending(float(response.headers.get("Retry-After") or 2), response.headers.get("Location"))
@@ -350,7 +273,7 @@ class TorchyardClient:
                                  timeout=httpx.Timeout(10.0, read=60.0)) as source:
                     if source.response.status_code >= 400:
                         source.response.read()
-                        raise ApiError(source.response.status_code, _detail(source.response))
+                        raise ApiError(source.response.status_code, error_detail(source.response))
                     wait.over()
                     for sse in source.iter_sse():
                         event = parse_event(sse)

@@ -272,8 +272,12 @@ class DatasetCatalog:
     def _record_upload(self, record: DatasetRecord, name: str | None, new_version: bool) -> DatasetRecord:
         """Record `record` under its name, unless the name is taken and the upload does not say it is
         a new version of it (409 naming the set that has it). Every upload and delete changes the
-        index, which this transaction watches: two uploads under one name cannot both see it free."""
+        index, which this transaction watches: two uploads under one name cannot both see it free,
+        nor two uploads at once both fit in the room the project's `dataset_bytes` has left (judged
+        here again, its quota watched too; the caller removes the extracted files of a refusal)."""
         def txn(pipe: redis.client.Pipeline) -> DatasetRecord:
+            if self.admit is not None and record.size_bytes is not None:
+                self.admit(record.project or DEFAULT_PROJECT, record.size_bytes)
             ids = sorted(pipe.smembers(keys.DATASETS_INDEX))
             raws = pipe.mget([keys.dataset(i) for i in ids]) if ids else []
             uploads = [u for u in (DatasetRecord.model_validate_json(r) for r in raws if r) if u.project == record.project]
@@ -290,7 +294,8 @@ class DatasetCatalog:
             pipe.sadd(keys.DATASETS_INDEX, record.id)
             return versioned
 
-        recorded: DatasetRecord = self.redis.transaction(txn, keys.DATASETS_INDEX, value_from_callable=True)
+        recorded: DatasetRecord = self.redis.transaction(
+            txn, keys.DATASETS_INDEX, keys.project_quota(record.project or DEFAULT_PROJECT), value_from_callable=True)
         return recorded
 
     def delete(self, ref: str) -> None:

@@ -1,9 +1,11 @@
-"""Two guards beside tests/test_layers.py, on the code as it is. Every module of ours is at most 400
+"""Three guards beside tests/test_layers.py, on the code as it is. Every module of ours is at most 400
 lines: past that a module holds more than one concern, and is split by concern, not cut. No import
 cycle among the product's modules, where an import under `if TYPE_CHECKING:` and one inside a
 function count as much as any: each still ties two modules together, so that neither can be read,
 tested or moved without the other. A cycle is a strongly connected component (Tarjan's) of the
-graph of every import statement between the product's modules."""
+graph of every import statement between the product's modules. And each test module with a keyed
+API of its own (tests/e2e/conftest.KEYED_API_DBS) has a Redis database no other test names, since
+each flushes its database at start and end."""
 
 from __future__ import annotations
 
@@ -130,3 +132,27 @@ def test_the_guard_sees_cycles_through_type_checking_and_function_imports(tmp_pa
     graph = import_graph(("pkg",), tmp_path)
     assert graph["pkg.face"] == {"pkg.leaf"}
     assert cycles(graph) == {frozenset({"pkg.runner", "pkg.member"})}
+
+
+def _databases_named(text: str) -> set[int]:
+    """The Redis database numbers a test module names: `with_db(url, 15)`, `DB = 12` and `with_db(url,
+    DB - 1)`, TEST_DB and `TEST_DB + 1` (tests/support.py's)."""
+    import re
+
+    constants = {"TEST_DB": 13, **{m[0]: int(m[1]) for m in re.findall(r"^(DB) = (\d+)", text, re.M)}}
+    named = {int(n) for n in re.findall(r"with_db\([^,()]+,\s*(\d+)\)", text)}
+    for name, sign, offset in re.findall(r"\b(TEST_DB|DB)\b\s*(?:([+-])\s*(\d+))?", text):
+        if name in constants:
+            named.add(constants[name] + (int(offset) if sign == "+" else -int(offset) if sign == "-" else 0))
+    return named
+
+
+def test_each_keyed_api_has_a_redis_database_of_its_own() -> None:
+    from tests.e2e.conftest import KEYED_API_DBS
+
+    assert len(set(KEYED_API_DBS.values())) == len(KEYED_API_DBS)
+    for path in _python_files(REPO, ("tests",)):
+        if path.stem in KEYED_API_DBS or (path.name == "conftest.py" and path.parent.name == "e2e"):
+            continue
+        shared = _databases_named(path.read_text()) & set(KEYED_API_DBS.values())
+        assert not shared, f"{path.relative_to(REPO)} names Redis database(s) {shared} of a keyed API's module"

@@ -16,7 +16,10 @@ OURS = ("app", "client", "core", "models", "worker", "harness")
 MAY_IMPORT = {
     "models": set(),
     "core": {"models"},
-    "client": {"core.schemas", "core.defaults", "core.kinds"},  # core.kinds: its face only (below)
+    # core.kinds: its face only (below); core.access.models (and its roles) and core.sweeps.spec: the
+    # contract's models of keys, projects and sweeps, pure pydantic (client/teams.py)
+    "client": {"core.schemas", "core.defaults", "core.kinds", "core.access.models", "core.access.roles",
+               "core.sweeps.spec"},
     "worker": {"core", "models"},
     "app": {"core", "models"},
     "harness": {"app", "core", "models"},  # the stack's processes for tests/, bench/, scripts/: no product module imports it
@@ -110,3 +113,16 @@ def test_the_client_reads_params_through_the_kinds_face_only() -> None:
             if name.startswith("core.kinds"):
                 assert name.rpartition(".")[0] == "core.kinds" and name.rpartition(".")[2] in core.kinds.__all__, (
                     f"{path.relative_to(REPO)} imports {name}")
+
+
+def test_the_commands_call_the_sdk_s_public_methods_only() -> None:
+    """`torchyard keys|projects|sweep...` go through the SDK's public calls (client/sdk.py and its
+    bases), never its plumbing (`client._request`): what a command can do, a script using the SDK
+    can do the same way, and the calls are typed once."""
+    found = []
+    for path in sorted((REPO / "client" / "commands").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and isinstance(node.value, ast.Name) and node.value.id == "client":
+                found.append(f"{path.relative_to(REPO)}:{node.lineno} client.{node.attr}")
+    assert found == []

@@ -35,9 +35,8 @@ from starlette.types import Scope
 from core import keys
 from core.access import audit
 from core.access.keystore import BOOTSTRAP, OPEN, Principal, fetch_record, key_id_of, verify
-from core.access.models import PROJECT_PATTERN
+from core.access.models import PROJECT_PATTERN, Quota
 from core.access.projects import Acting, acting, set_acting
-from core.access.quotas import Quota
 from core.access.roles import ROLE_ABILITIES, Role, needed, roles_allowed
 from core.config import Settings
 from core.errors import Forbidden, OverQuota, Unavailable

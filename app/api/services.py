@@ -50,7 +50,7 @@ class Services:
     oip: OpenInference  # the Open Inference Protocol (/v2), on the predictions' engine
     sweeps: SweepCoordinator
     access_keys: KeyStore  # API keys (core/access/); the gate reads their records itself
-    quotas: Quotas  # projects' quotas, checked by the job store and the catalog before they create
+    quotas: Quotas  # projects' quotas, judged by the job store and the catalog as they create
 
     @classmethod
     def build(cls, settings: Settings) -> Services:
@@ -62,7 +62,7 @@ class Services:
         devices = DeviceRegistry(client, settings.heartbeat_ttl_s)
         datasets = DatasetCatalog(client, settings, jobs)
         quotas = Quotas(client)
-        jobs.admit, datasets.admit = quotas.admit_job, quotas.admit_upload
+        jobs.admission, datasets.admit = quotas, quotas.admit_upload
         predictions = PredictionClient(aclient, settings)
         aliases = AliasService(AliasStore(client), ModelPreloader(client, devices, settings.alias_warm_timeout_s))
         deletion = JobDeletion(jobs, CheckpointPaths(settings.checkpoints_dir))

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 EXIT_OK, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 130
 Handler = Callable[["TorchyardClient", argparse.Namespace], int]
-DEFAULT_URL = "http://127.0.0.1:8000"  # client/sdk.DEFAULT_URL (not imported here: it loads httpx)
+DEFAULT_URL = "http://127.0.0.1:8000"  # client/http.DEFAULT_URL (not imported here: it loads httpx)
 CONNECTION_OPTIONS = ("url", "api_key", "json")
 
 

@@ -1,10 +1,11 @@
-"""API keys: `torchyard keys create|list|revoke` (an admin's key; docs/security.md). The API's JSON
-is read as dicts, as the sweeps' commands do: the client needs nothing of core/access/."""
+"""API keys: `torchyard keys create|list|revoke` (an admin's key; docs/security.md), through the
+SDK's calls (client/teams.py), typed with the contract's models (core/access/models.py)."""
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from datetime import datetime
+from typing import TYPE_CHECKING
 
 from client.commands.base import EXIT_OK, Command, Group
 
@@ -17,45 +18,42 @@ ROLES = ("admin", "trainer", "predictor", "viewer")  # core/access/roles.Role, a
 def _keys_list(client: TorchyardClient, args: argparse.Namespace) -> int:
     from client import output
 
-    keys: list[dict[str, Any]] = client._request("GET", "/keys").json()["keys"]
+    keys = client.api_keys()
     if args.json:
-        output.emit_json({"keys": keys})
+        output.emit_json({"keys": [k.model_dump(mode="json") for k in keys]})
         return EXIT_OK
     if not keys:
         output.console().print("no keys yet: create one with `torchyard keys create --name NAME --role ROLE`")
         return EXIT_OK
     output.table(output.console(), ["id", "name", "role", "project", "created (UTC)", "expires (UTC)", "state"],
-                 [[k["id"], k["name"], k["role"], k["project"], _when(k["created_at"]), _when(k["expires_at"]),
-                   "active" if k["active"] else ("revoked" if k["revoked_at"] else "expired")] for k in keys])
+                 [[k.id, k.name, k.role.value, k.project, _when(k.created_at), _when(k.expires_at),
+                   "active" if k.active else ("revoked" if k.revoked_at else "expired")] for k in keys])
     return EXIT_OK
 
 
-def _when(iso: str | None) -> str:
-    return iso[:19].replace("T", " ") if iso else "-"
+def _when(at: datetime | None) -> str:
+    return at.strftime("%Y-%m-%d %H:%M:%S") if at else "-"
 
 
 def _keys_create(client: TorchyardClient, args: argparse.Namespace) -> int:
     from client import output
 
-    body: dict[str, Any] = {"name": args.name, "role": args.role, "project": args.project}
-    if args.expires_in_days is not None:
-        body["expires_in_days"] = args.expires_in_days
-    created = client._request("POST", "/keys", json=body).json()
+    created = client.create_key(args.name, args.role, args.project, args.expires_in_days)
     if args.json:
-        output.emit_json(created)
+        output.emit_json(created.model_dump(mode="json"))
         return EXIT_OK
     out = output.console()
-    out.print(f"key {created['id']} ({created['name']}): role {created['role']} in project {created['project']}"
-              + (f", expires {_when(created['expires_at'])} UTC" if created["expires_at"] else ""))
+    out.print(f"key {created.id} ({created.name}): role {created.role.value} in project {created.project}"
+              + (f", expires {_when(created.expires_at)} UTC" if created.expires_at else ""))
     out.print("its secret, shown this once (store it now; the server keeps only a hash):")
-    print(created["secret"])  # alone on its line, unstyled: for a script to read
+    print(created.secret)  # alone on its line, unstyled: for a script to read
     return EXIT_OK
 
 
 def _keys_revoke(client: TorchyardClient, args: argparse.Namespace) -> int:
     from client import output
 
-    client._request("DELETE", f"/keys/{args.key_id}")
+    client.revoke_key(args.key_id)
     if args.json:
         output.emit_json({"id": args.key_id, "revoked": True})
     else:

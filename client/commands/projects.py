@@ -1,35 +1,38 @@
 """Projects: `torchyard projects show NAME` (its quotas and use) and `projects set-quota NAME`
-(an admin's). The API's JSON is read as dicts, as the sweeps' and keys' commands do."""
+(an admin's), through the SDK's calls (client/teams.py), typed with core/access/models.py."""
 
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from client.commands.base import EXIT_OK, Command, Group
 
 if TYPE_CHECKING:
     from client.sdk import TorchyardClient
+    from core.access.models import ProjectView
+
+QUOTAS = ("queued_jobs", "dataset_bytes", "predict_per_second", "running_jobs", "devices_held",
+          "device_seconds_per_day")  # core/access/models.Quota's fields, each a flag of set-quota
 
 
-def _report(client: TorchyardClient, args: argparse.Namespace, project: dict[str, Any]) -> int:
+def _report(args: argparse.Namespace, project: ProjectView) -> int:
     from client import output
 
     if args.json:
-        output.emit_json(project)
+        output.emit_json(project.model_dump(mode="json"))
         return EXIT_OK
-    quota, usage = project["quota"], project["usage"]
+    name, quota, usage = project.name, project.quota, project.usage
     output.table(output.console(), ["project", "what", "uses", "quota"],
-                 [[project["name"], "queued jobs", str(usage["queued_jobs"]), _limit(quota["queued_jobs"])],
-                  [project["name"], "running jobs", str(usage["running_jobs"]), _limit(quota.get("running_jobs"))],
-                  [project["name"], "devices held", str(usage.get("devices_held", 0)),
-                   _limit(quota.get("devices_held"))],
-                  [project["name"], "device-seconds today (UTC)", str(usage.get("device_seconds_today", 0)),
-                   _limit(quota.get("device_seconds_per_day"))],
-                  [project["name"], "jobs waiting for a quota", str(usage.get("held_jobs", 0)), "-"],
-                  [project["name"], "dataset bytes", f"{usage['dataset_bytes']} ({usage['datasets']} uploads)",
-                   _limit(quota["dataset_bytes"])],
-                  [project["name"], "predictions per second", "-", _limit(quota.get("predict_per_second"))]])
+                 [[name, "queued jobs", str(usage.queued_jobs), _limit(quota.queued_jobs)],
+                  [name, "running jobs", str(usage.running_jobs), _limit(quota.running_jobs)],
+                  [name, "devices held", str(usage.devices_held), _limit(quota.devices_held)],
+                  [name, "device-seconds today (UTC)", str(usage.device_seconds_today),
+                   _limit(quota.device_seconds_per_day)],
+                  [name, "jobs waiting for a quota", str(usage.held_jobs), "-"],
+                  [name, "dataset bytes", f"{usage.dataset_bytes} ({usage.datasets} uploads)",
+                   _limit(quota.dataset_bytes)],
+                  [name, "predictions per second", "-", _limit(quota.predict_per_second)]])
     return EXIT_OK
 
 
@@ -38,17 +41,13 @@ def _limit(value: int | None) -> str:
 
 
 def _show(client: TorchyardClient, args: argparse.Namespace) -> int:
-    return _report(client, args, client._request("GET", f"/projects/{args.name}").json())
+    return _report(args, client.project(args.name))
 
 
 def _set_quota(client: TorchyardClient, args: argparse.Namespace) -> int:
-    current = client._request("GET", f"/projects/{args.name}").json()["quota"]
-    for field in ("queued_jobs", "dataset_bytes", "predict_per_second", "running_jobs", "devices_held",
-                  "device_seconds_per_day"):
-        given = getattr(args, field)
-        if given is not None:
-            current[field] = None if given < 0 else given  # -1: no quota
-    return _report(client, args, client._request("PUT", f"/projects/{args.name}", json=current).json())
+    changes = {field: None if given < 0 else given  # -1: no quota
+               for field in QUOTAS if (given := getattr(args, field)) is not None}
+    return _report(args, client.update_quota(args.name, **changes))
 
 
 def register(command: Command, group: Group) -> None:

@@ -1,8 +1,7 @@
 """Sweeps: `sweep --base job.json --space space.json` (or flags: `--model cifar_net --dataset fake
 --float learning_rate=1e-4:0.1:log --choice batch_size=64,128`) starts one and watches its trials to the end,
-`sweep ID` (one sweep; `--follow`, `--cancel`), `sweeps` (the list). The API's JSON is read as
-plain dicts here: the sweep's models live with the server's search (core/sweeps/), which the
-client does not load (it would bring Optuna)."""
+`sweep ID` (one sweep; `--follow`, `--cancel`), `sweeps` (the list), through the SDK's calls (client/teams.py: typed with core/sweeps/spec.py's
+Sweep, which loads no Optuna); the tables read a sweep as its JSON, the shape `--json` prints."""
 
 from __future__ import annotations
 
@@ -20,13 +19,14 @@ if TYPE_CHECKING:
     from rich.table import Table
 
     from client.sdk import TorchyardClient
+    from core.sweeps.spec import Sweep
 
 ENDED = {"succeeded", "failed", "cancelled"}
 POLL_S = 2.0
 
 
-def _call(client: TorchyardClient, method: str, path: str, **kwargs: Any) -> Any:
-    return client._request(method, path, **kwargs).json()
+def _as_json(sweep: Sweep) -> dict[str, Any]:
+    return sweep.model_dump(mode="json")
 
 
 def _read_json(path: str, what: str) -> Any:
@@ -81,8 +81,7 @@ def _sweep(client: TorchyardClient, args: argparse.Namespace) -> int:
             print("torchyard: error: give a sweep ID, or a base (--base or --model/--dataset) and a space "
                   "(--space or --float/--int/--choice) to start one", file=sys.stderr)
             return EXIT_ERROR
-        headers = {"Idempotency-Key": args.idempotency_key} if args.idempotency_key else {}
-        sweep = _call(client, "POST", "/sweeps", json=_body(args), headers=headers)
+        sweep = _as_json(client.start_sweep(_body(args), args.idempotency_key))
         output.console(sys.stderr).print(f"sweep {sweep['id']}: {sweep['spec']['trials']} trials, "
                                          f"{sweep['parallel']} at once")
         if args.detach:
@@ -93,15 +92,14 @@ def _sweep(client: TorchyardClient, args: argparse.Namespace) -> int:
             return EXIT_OK
         follow = True
     else:
-        sweep = _call(client, "POST", f"/sweeps/{args.sweep_id}/cancel") if args.cancel \
-            else _call(client, "GET", f"/sweeps/{args.sweep_id}")
+        sweep = _as_json(client.cancel_sweep(args.sweep_id) if args.cancel else client.sweep(args.sweep_id))
         follow = args.follow
     if follow and not args.json:
         sweep = _watch(client, sweep)
     elif follow:
         while sweep["status"] not in ENDED or any(t["state"] == "running" for t in sweep["trials"]):
             time.sleep(POLL_S)
-            sweep = _call(client, "GET", f"/sweeps/{sweep['id']}")
+            sweep = _as_json(client.sweep(sweep["id"]))
     if args.json:
         output.emit_json(sweep)
     else:
@@ -118,7 +116,7 @@ def _watch(client: TorchyardClient, sweep: dict[str, Any]) -> dict[str, Any]:
     with Live(_trials_table(sweep), console=output.console(sys.stderr), refresh_per_second=2) as live:
         while sweep["status"] not in ENDED or any(t["state"] == "running" for t in sweep["trials"]):
             time.sleep(POLL_S)
-            sweep = _call(client, "GET", f"/sweeps/{sweep['id']}")
+            sweep = _as_json(client.sweep(sweep["id"]))
             live.update(_trials_table(sweep))
     return sweep
 
@@ -171,7 +169,7 @@ def _report(out: Console, sweep: dict[str, Any]) -> None:
 def _sweeps(client: TorchyardClient, args: argparse.Namespace) -> int:
     from client import output
 
-    found = _call(client, "GET", "/sweeps", params={"limit": args.limit})
+    found = {"sweeps": [_as_json(s) for s in client.sweeps(args.limit)]}
     if args.json:
         output.emit_json(found)
         return EXIT_OK

@@ -1,4 +1,5 @@
-"""The keys' and the audit log's side of the HTTP contract (POST/GET /keys, GET /audit, GET /whoami)."""
+"""The keys', the audit log's and the projects' side of the HTTP contract (POST/GET /keys, GET /audit,
+GET /whoami, PUT/GET /projects/{name}). Pure models: the client reads its answers with them too."""
 
 from __future__ import annotations
 
@@ -73,3 +74,42 @@ class AuditEntry(BaseModel):
 
 class AuditLog(BaseModel):
     entries: list[AuditEntry] = Field(description="newest first")
+
+
+class Quota(BaseModel):
+    """PUT /projects/{name}'s body and GET's `quota`: a limit each, null (or absent) for none."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    queued_jobs: int | None = Field(default=None, ge=0, le=1_000_000,
+                                    description="jobs waiting for a device at once (429 with Retry-After past it)")
+    dataset_bytes: int | None = Field(default=None, ge=0,
+                                      description="bytes of the project's uploaded archives together (429 past it)")
+    predict_per_second: int | None = Field(default=None, ge=0, le=1_000_000,
+                                           description="POST /predict and /v2 infer requests per second, every API "
+                                                       "process together (429 with Retry-After past it)")
+    running_jobs: int | None = Field(default=None, ge=0, le=1_000_000,
+                                     description="jobs running at once; past it a job waits, queued, until one ends")
+    devices_held: int | None = Field(default=None, ge=0, le=1_000_000,
+                                     description="devices its running jobs hold at once (a gang counts its ranks); "
+                                                 "past it a job waits, queued, until they free enough")
+    device_seconds_per_day: int | None = Field(default=None, ge=0,
+                                               description="device-seconds its jobs may run per UTC day (a gang's "
+                                                           "ranks each); past it new starts wait for the next day "
+                                                           "and POST /jobs answers 429 with Retry-After")
+
+
+class Usage(BaseModel):
+    queued_jobs: int
+    running_jobs: int
+    datasets: int
+    dataset_bytes: int
+    devices_held: int = 0
+    device_seconds_today: float = Field(default=0.0, description="device-seconds used this UTC day")
+    held_jobs: int = Field(default=0, description="queued jobs whose start waits for a quota")
+
+
+class ProjectView(BaseModel):
+    name: str
+    quota: Quota
+    usage: Usage

@@ -10,10 +10,16 @@ Why a context variable and not an argument: a job id alone is looked up in some 
 alias checks), and an argument threaded through each would make one missed call a leak. The API
 sets the acting project once per request (the front gate from the key; `?project=` of an admin in
 app/api/access.authorize), in the request's task, whose thread-pool calls inherit it
-(run_in_threadpool copies the context); the stores read it where they read a record. A process
-that serves no request (a worker, the sweeps' tick, the retention cleanup) acts for no project:
-it sees everything, as before projects existed, and what it creates for a request's object
-(a sweep's trials, an export) takes that object's project explicitly (`acting_as`).
+(run_in_threadpool copies the context); the stores read it where they read a record.
+
+Outside a request, what acts is the process's default. A worker's is EVERYWHERE: it serves no
+request, and sees everything, as before projects existed. An API process's is NOWHERE (set by
+`fail_closed` in its lifespan, app/main.py): a code path that lost its request's context (a thread
+started by hand, a task made before the gate ran) then finds no object and may make none
+(`home()` raises) rather than seeing every project's. So the API's own background tasks say what
+they act for: the retention cleanup and the sweeps' tick `acting_everywhere()`, and what they make
+for a request's object (a sweep's trials, an export) takes that object's project (`acting_as`).
+The /predict engine's watcher acts for no one: each request in flight carries its project.
 """
 
 from __future__ import annotations
@@ -35,12 +41,35 @@ class Acting:
     sees: str | None
 
 
-EVERYWHERE = Acting(DEFAULT_PROJECT, None)  # no request: a worker, a background task, a test's store
-_acting: ContextVar[Acting] = ContextVar("torchyard_acting_project", default=EVERYWHERE)
+EVERYWHERE = Acting(DEFAULT_PROJECT, None)  # a worker, a background task that must see all, a test's store
+# No request: sees no project's objects (the name breaks PROJECT_PATTERN, so no object has it).
+NOWHERE = Acting("(no request)", "(no request)")
+
+
+class NoActingProject(RuntimeError):
+    """Something is being made outside a request in an API process: whose it is, nobody said."""
+
+
+_process_default = EVERYWHERE  # what acts where no context set one: `fail_closed` makes it NOWHERE
+_acting: ContextVar[Acting | None] = ContextVar("torchyard_acting_project", default=None)
 
 
 def acting() -> Acting:
-    return _acting.get()
+    value = _acting.get()
+    return _process_default if value is None else value
+
+
+def fail_closed() -> Acting:
+    """Make NOWHERE this process's default (an API process, at startup); returns the previous
+    default, for `restore_default` when the app stops (a test's process lives on)."""
+    global _process_default
+    previous, _process_default = _process_default, NOWHERE
+    return previous
+
+
+def restore_default(previous: Acting) -> None:
+    global _process_default
+    _process_default = previous
 
 
 def set_acting(value: Acting) -> object:
@@ -62,6 +91,17 @@ def acting_as(project: str) -> Iterator[None]:
         _acting.reset(token)
 
 
+@contextmanager
+def acting_everywhere() -> Iterator[None]:
+    """See every project for the block: a background task of the API's that works for no request
+    and must see everything (the retention cleanup, the sweeps' tick), said where it runs."""
+    token = _acting.set(EVERYWHERE)
+    try:
+        yield
+    finally:
+        _acting.reset(token)
+
+
 def project_of(stored: str | bytes | None) -> str:
     """A record's project field as stored; a record from before projects: "default"."""
     if isinstance(stored, bytes):
@@ -71,13 +111,22 @@ def project_of(stored: str | bytes | None) -> str:
 
 def visible(project: str | None) -> bool:
     """Whether the acting request sees an object of `project` (None: shared, a built-in)."""
-    sees = _acting.get().sees
-    return project is None or sees is None or project == sees
+    now = acting()
+    if now is NOWHERE:
+        return False  # outside a request in an API process: nothing, the shared built-ins neither
+    return project is None or now.sees is None or project == now.sees
 
 
 def home() -> str:
-    """The project what the acting request makes belongs to."""
-    return _acting.get().home
+    """The project what the acting request makes belongs to; NoActingProject outside a request in
+    an API process (nobody said whose it would be)."""
+    now = acting()
+    if now is NOWHERE:
+        raise NoActingProject(
+            "nothing may be made outside a request in the API process without saying whose "
+            "(core/access/projects.py: acting_as, acting_everywhere)"
+        )
+    return now.home
 
 
 def scoped_name(name: str, project: str | None = None) -> str:

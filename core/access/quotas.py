@@ -4,11 +4,13 @@ checks that refuse past a quota with a 429 naming it and its value.
 Enforced here (and `predict_per_second` by the API's gate, app/api/access.PredictRate, on the
 prediction routes before their bodies: a counter per project and second in Redis): `queued_jobs` (a job is refused at creation while its project has that many queued:
 waiting helps, so the 429 carries Retry-After) and `dataset_bytes` (an upload whose archive would
-take the project's uploads past it: waiting does not help, no Retry-After). Both are checked
-before the write and not in the same transaction, so two requests at once may pass one over by
-one each: a quota bounds a team's share, it is not an exact counter. Usage is read from the
-records themselves (the queued and running jobs' index, the datasets' records), so it cannot
-drift from what exists.
+take the project's uploads past it: waiting does not help, no Retry-After). Both are exact: each
+is judged inside the transaction that writes (the job store's create, core/jobs/intake.py, and
+the catalog's record of an upload, core/datasets.py), which WATCHes what the judgement read (the
+quota, the queued jobs' index, the datasets' index), so of N requests at once at a quota of q
+exactly q pass; `dataset_bytes` is also checked before the archive is extracted, to refuse
+early. Usage is read from the records themselves (the queued and running jobs' index, the
+datasets' records), so it cannot drift from what exists, and no counter needs giving back.
 
 `running_jobs`, `devices_held` and `device_seconds_per_day` hold a job's start instead of refusing
 it (core/access/holds.py: checked in the claim's own transaction, exact); only a project that
@@ -21,54 +23,15 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import redis
-from pydantic import BaseModel, ConfigDict, Field
 
 from core import keys
 from core.access import holds
+from core.access.models import ProjectView, Quota, Usage
 from core.access.projects import project_of
 from core.clock import redis_now
 from core.errors import OverQuota
 
 QUEUED_RETRY_S = 30  # a queued job's place frees when some job of the project starts or ends
-
-
-class Quota(BaseModel):
-    """PUT /projects/{name}'s body and GET's `quota`: a limit each, null (or absent) for none."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    queued_jobs: int | None = Field(default=None, ge=0, le=1_000_000,
-                                    description="jobs waiting for a device at once (429 with Retry-After past it)")
-    dataset_bytes: int | None = Field(default=None, ge=0,
-                                      description="bytes of the project's uploaded archives together (429 past it)")
-    predict_per_second: int | None = Field(default=None, ge=0, le=1_000_000,
-                                           description="POST /predict and /v2 infer requests per second, every API "
-                                                       "process together (429 with Retry-After past it)")
-    running_jobs: int | None = Field(default=None, ge=0, le=1_000_000,
-                                     description="jobs running at once; past it a job waits, queued, until one ends")
-    devices_held: int | None = Field(default=None, ge=0, le=1_000_000,
-                                     description="devices its running jobs hold at once (a gang counts its ranks); "
-                                                 "past it a job waits, queued, until they free enough")
-    device_seconds_per_day: int | None = Field(default=None, ge=0,
-                                               description="device-seconds its jobs may run per UTC day (a gang's "
-                                                           "ranks each); past it new starts wait for the next day "
-                                                           "and POST /jobs answers 429 with Retry-After")
-
-
-class Usage(BaseModel):
-    queued_jobs: int
-    running_jobs: int
-    datasets: int
-    dataset_bytes: int
-    devices_held: int = 0
-    device_seconds_today: float = Field(default=0.0, description="device-seconds used this UTC day")
-    held_jobs: int = Field(default=0, description="queued jobs whose start waits for a quota")
-
-
-class ProjectView(BaseModel):
-    name: str
-    quota: Quota
-    usage: Usage
 
 
 class Quotas:
@@ -97,6 +60,15 @@ class Quotas:
                      held_jobs=sum(1 for p in self._fields(parked, keys.job, "project") if project_of(p) == project))
 
     # ------------------------------------------------------------------ checks
+    def admission_keys(self, project: str) -> list[str]:
+        """What a job's creation WATCHes before `admit_job` (core/jobs/records.Admission): the quota,
+        and the queued jobs' index when `queued_jobs` is set (any job that enters or leaves queued
+        meanwhile makes the creation judge again; a project without the quota does not wait on it)."""
+        watched = [keys.project_quota(project)]
+        if self.get(project).queued_jobs is not None:
+            watched.append(keys.jobs_with_status("queued"))
+        return watched
+
     def admit_job(self, project: str) -> None:
         """OverQuota when `project` has its `queued_jobs` quota of jobs queued already, or has used
         its `device_seconds_per_day` of this UTC day (Retry-After: the seconds to the next day)."""

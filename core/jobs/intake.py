@@ -85,7 +85,9 @@ class Intake(JobStoreBase):
         (`depends_on`: init_from, an evaluation, a batch prediction, an export), the job among that
         one's dependents (core/lineage.py): a crash can leave all of them or none, so a job never
         exists whose source a delete does not know it needs. The source is watched, and a source
-        deleted since the caller checked it is refused here (NotFound), not given a dependent.
+        deleted since the caller checked it is refused here (NotFound), not given a dependent. The
+        project's quotas (`admission`, core/access/quotas.py) are judged inside it too, their keys
+        watched: exact under concurrent requests.
         `tags` are written into the record as they are (a sweep's trial: `sweep_id`, `trial`)."""
         if idempotency_key is not None and len(idempotency_key) > MAX_IDEMPOTENCY_KEY:
             raise InvalidInput(f"Idempotency-Key is longer than {MAX_IDEMPOTENCY_KEY} characters")
@@ -107,7 +109,11 @@ class Intake(JobStoreBase):
         }
         earlier: list[str] = []
         source = keys.job(depends_on) if depends_on else None
-        watched = [key for key in (idem_key, source) if key]
+        # The quota's keys too (the project's quota, the queued index): a job created by another
+        # request between this check and the write aborts the write, and the check is made again,
+        # so N requests at once at a quota of q admit exactly q.
+        admission = self.admission.admission_keys(project) if self.admission is not None else []
+        watched = [key for key in (idem_key, source, *admission) if key]
 
         def txn(pipe: redis.client.Pipeline) -> None:
             earlier.clear()
@@ -124,8 +130,10 @@ class Intake(JobStoreBase):
                         return
             if source and not pipe.exists(source):
                 raise NotFound(f"job {depends_on} was deleted while this request was checked; nothing was created")
-            if self.admit is not None:  # a retry of a created job was answered above: only a new job counts
-                self.admit(project)
+            if self.admission is not None:  # a retry of a created job was answered above: only a new job counts
+                # Its keys as the quota is now (the quota itself watched since the first WATCH), then the judgement.
+                pipe.watch(*self.admission.admission_keys(project))
+                self.admission.admit_job(project)
             now = seconds_from_time_reply(pipe.time()) if watched else redis_now(self.redis)
             pipe.multi()
             pipe.hset(keys.job(job_id), mapping=record)

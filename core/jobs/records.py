@@ -11,8 +11,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import redis
 
@@ -73,6 +72,15 @@ def encode_field(field: str, value: Any) -> str:
     return str(value)
 
 
+class Admission(Protocol):
+    """A project's quota check at a job's creation (core/access/quotas.Quotas has it): the keys
+    create's transaction WATCHes before it asks, so the answer holds when the job is written."""
+
+    def admission_keys(self, project: str) -> list[str]: ...
+
+    def admit_job(self, project: str) -> None: ...
+
+
 class JobStoreBase:
     """What every part of the job store shares. Not used alone: `core.jobs.JobStore` is."""
 
@@ -85,9 +93,9 @@ class JobStoreBase:
         # How long a sent message may go unclaimed before the reconciler looks for it: about a
         # lease TTL, so a lost message is re-sent within about a lease TTL.
         self.dispatch_grace_s = lease_ttl_s if dispatch_grace_s is None else dispatch_grace_s
-        # A project's quota check before a job is created (core/access/quotas.py; the API sets it:
+        # A project's quota check inside a job's creation (core/access/quotas.py; the API sets it:
         # OverQuota refuses); None: none (a worker's store, a test's).
-        self.admit: Callable[[str], None] | None = None
+        self.admission: Admission | None = None
 
     def get(self, job_id: str) -> Job:
         return Job.model_validate(decode_record(self._raw(job_id)))

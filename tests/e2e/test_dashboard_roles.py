@@ -4,36 +4,24 @@ Playwright (skipped, saying why, without /usr/bin/chromium), on an API of its ow
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import httpx
 import pytest
 
+from tests.e2e.conftest import KeyedApi
 from tests.e2e.test_dashboard import CHROMIUM_ARGS, needs_chromium
-from tests.support import Processes, flush, with_db
 
 pytestmark = pytest.mark.e2e
 
 KEY = "bootstrap-admin-key-for-the-dashboard-roles"
 
 
+KEYED_API_KEYS = [(f"{role}-x", role, "vision") for role in ("viewer", "predictor", "trainer")]
+
+
 @pytest.fixture(scope="module")
-def keyed(redis_base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    data_dir: Path = tmp_path_factory.mktemp("dashboard-roles")
-    url = with_db(redis_base_url, 15)
-    flush(url)
-    procs = Processes(url, data_dir, data_dir / "logs", TORCHYARD_API_KEY=KEY)
-    try:
-        base = procs.ready_api()
-        auth = {"Authorization": f"Bearer {KEY}"}
-        secrets = {role: httpx.post(f"{base}/keys", headers=auth, json={"name": f"{role}-x", "role": role,
-                                                                         "project": "vision"}).json()["secret"]
-                   for role in ("viewer", "predictor", "trainer")}
-        yield {"base": base, "secrets": {**secrets, "admin": KEY}}
-    finally:
-        procs.stop_all()
-        flush(url)
+def keyed(keyed_api: KeyedApi) -> dict:
+    """The module's keyed API (tests/e2e/conftest.py): its base and a secret per role."""
+    return {"base": keyed_api.base, "secrets": {**{name.removesuffix("-x"): secret
+                                                   for name, secret in keyed_api.secrets.items()}, "admin": KEY}}
 
 
 def _page(browser, base: str, key: str, project: str = ""):

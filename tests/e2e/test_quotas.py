@@ -1,19 +1,22 @@
 """Projects' quotas against a real API process (the bootstrap key, no worker: jobs stay queued)
 and a real Redis: a job over `queued_jobs` is a 429 with Retry-After naming the quota, an upload
-over `dataset_bytes` a 429 without (waiting does not help); a project's members read its quotas
-and use, others get a 404; `torchyard projects show|set-quota`."""
+over `dataset_bytes` a 429 without (waiting does not help); both exact under requests at once
+(threads hitting the API together); a project's members read its quotas and use, others get a
+404; `torchyard projects show|set-quota`."""
 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
-from pathlib import Path
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
+from tests.e2e.conftest import KeyedApi
 from tests.e2e.test_cli import CLI, cli_env
-from tests.support import REPO, Processes, flush, pattern_zip, with_db
+from tests.support import REPO, pattern_zip
 
 pytestmark = pytest.mark.e2e
 
@@ -23,26 +26,18 @@ NO_QUOTA = {"queued_jobs": None, "dataset_bytes": None, "predict_per_second": No
             "devices_held": None, "device_seconds_per_day": None}
 
 
+KEYED_API_KEYS = [("gamma", "trainer", "gamma"), ("gamma-viewer", "viewer", "gamma"), ("delta", "trainer", "delta")]
+
+
 @pytest.fixture(scope="module")
-def api(redis_base_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    data_dir: Path = tmp_path_factory.mktemp("quotas")
-    url = with_db(redis_base_url, 15)
-    flush(url)
-    procs = Processes(url, data_dir, data_dir / "logs", TORCHYARD_API_KEY=KEY)
-    base = procs.ready_api()
-    admin = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
-    clients = {"admin": admin}
+def api(keyed_api: KeyedApi) -> Iterator[dict]:
+    """The module's keyed API (tests/e2e/conftest.py) and a client per key."""
+    clients = {"admin": keyed_api.client(), **{name: keyed_api.client(name) for name in keyed_api.secrets}}
     try:
-        for name, role, project in (("gamma", "trainer", "gamma"), ("gamma-viewer", "viewer", "gamma"),
-                                    ("delta", "trainer", "delta")):
-            secret = admin.post("/keys", json={"name": name, "role": role, "project": project}).json()["secret"]
-            clients[name] = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {secret}"}, timeout=60)
-        yield {"base": base, **clients}
+        yield {"base": keyed_api.base, **clients}
     finally:
         for client in clients.values():
             client.close()
-        procs.stop_all()
-        flush(url)
 
 
 def test_a_job_past_the_queued_jobs_quota_is_a_429_to_retry(api: dict) -> None:
@@ -83,6 +78,44 @@ def test_an_upload_past_the_dataset_bytes_quota_is_a_429_without_retry_after(api
     assert api["gamma-viewer"].get("/projects/gamma").json()["usage"]["dataset_bytes"] == len(archive)
     assert gamma.delete(f"/datasets/{first.json()['id']}").status_code == 204
     assert upload().status_code == 201
+
+
+def _at_once(count: int, base: str, secret: str, request: Callable[[httpx.Client], httpx.Response]) -> list[int]:
+    """`count` requests sent together (each thread on its own connection, released by a barrier):
+    their statuses."""
+    start = threading.Barrier(count)
+
+    def one(_: int) -> int:
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {secret}"}, timeout=120) as client:
+            start.wait()
+            return request(client).status_code
+
+    with ThreadPoolExecutor(count) as pool:
+        return sorted(pool.map(one, range(count)))
+
+
+def _trainer_of(api: dict, project: str) -> str:
+    made = api["admin"].post("/keys", json={"name": f"{project}-trainer", "role": "trainer", "project": project})
+    assert made.status_code == 201, made.text
+    return str(made.json()["secret"])
+
+
+def test_jobs_at_once_at_the_queued_jobs_quota_admit_exactly_it(api: dict) -> None:
+    secret = _trainer_of(api, "zeta")
+    assert api["admin"].put("/projects/zeta", json={"queued_jobs": 2}).status_code == 200
+    statuses = _at_once(8, api["base"], secret, lambda client: client.post("/jobs", json=JOB))
+    assert statuses == [202] * 2 + [429] * 6
+    assert api["admin"].get("/projects/zeta").json()["usage"]["queued_jobs"] == 2
+
+
+def test_uploads_at_once_at_the_dataset_bytes_quota_admit_exactly_it(api: dict) -> None:
+    archive = pattern_zip()
+    secret = _trainer_of(api, "eta")
+    assert api["admin"].put("/projects/eta", json={"dataset_bytes": 2 * len(archive) + 10}).status_code == 200
+    statuses = _at_once(6, api["base"], secret,
+                        lambda client: client.post("/datasets", files={"file": ("d.zip", archive, "application/zip")}))
+    assert statuses == [201] * 2 + [429] * 4
+    assert api["admin"].get("/projects/eta").json()["usage"]["dataset_bytes"] == 2 * len(archive)
 
 
 def test_a_project_is_read_by_its_members_and_set_by_an_admin(api: dict) -> None:
@@ -129,3 +162,29 @@ def test_predictions_past_the_predict_per_second_quota_are_a_429_before_the_body
     assert api["gamma"].post("/v2/models/nosuchjob/infer", json={"inputs": []}).status_code == 429
     assert api["delta"].post("/predict", **form).status_code != 429  # another project's quota is its own
     assert api["admin"].put("/projects/gamma", json={"predict_per_second": None}).status_code == 200
+
+
+def test_the_sdk_manages_keys_and_quotas_with_typed_answers(api: dict) -> None:
+    """What `torchyard keys` and `torchyard projects` do, through the SDK's public calls (client/teams.py)."""
+    from client.sdk import ApiError, TorchyardClient
+    from core.access.models import KeyCreated, ProjectView
+    from core.access.roles import Role
+
+    with TorchyardClient(api["base"], api_key=KEY) as ty:
+        made = ty.create_key("theta-bot", "viewer", project="theta", expires_in_days=1)
+        assert isinstance(made, KeyCreated) and made.role is Role.viewer and made.secret.startswith("tyk_")
+        listed = {k.id: k for k in ty.api_keys()}
+        assert listed[made.id].active and not hasattr(listed[made.id], "secret")
+        changed = ty.update_quota("theta", queued_jobs=3, devices_held=2)
+        assert isinstance(changed, ProjectView) and changed.quota.queued_jobs == 3
+        kept = ty.update_quota("theta", queued_jobs=None)  # the others stay as they were
+        assert kept.quota.queued_jobs is None and kept.quota.devices_held == 2
+        assert ty.project("theta").usage.queued_jobs == 0
+        with pytest.raises(ApiError) as invalid:  # the server checks the body, as for any call
+            ty.update_quota("theta", queued_jobs=-1)
+        assert invalid.value.status == 422 and ty.project("theta").quota.devices_held == 2
+        ty.revoke_key(made.id)
+        assert not {k.id: k for k in ty.api_keys()}[made.id].active
+    with TorchyardClient(api["base"], api_key=made.secret) as revoked, pytest.raises(ApiError) as refused:
+        revoked.project("theta")
+    assert refused.value.status == 401

@@ -8,9 +8,8 @@ from typing import Annotated
 from fastapi import APIRouter, Path
 
 from app.api.deps import ServicesDep
-from core.access.models import PROJECT_PATTERN
+from core.access.models import PROJECT_PATTERN, ProjectView, Quota
 from core.access.projects import visible
-from core.access.quotas import ProjectView, Quota
 from core.errors import NotFound
 
 router = APIRouter(tags=["projects"])
