@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -59,6 +58,35 @@ def swagger_ui_assets() -> str:
     return str(Path(fastapi_offline.__file__).resolve().parent / "static")
 
 
+def _stop_if_cancelled() -> None:
+    """Raise CancelledError if this task was asked to stop. redis-py's asyncio client can turn the
+    cancellation of a command it is waiting on (a BLPOP) into a ConnectionError, which a loop that
+    rides out Redis's outages would take for one and go round again: the app's shutdown then waited
+    for ever (seen with a short sweeps tick). The request to stop is still counted on the task."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
+STOP_WAIT_S = 5.0  # how long the app's shutdown waits for its background tasks to end
+
+
+async def _stop_tasks(tasks: tuple[asyncio.Task[None], ...]) -> None:
+    """Cancel the background tasks and wait for them, for STOP_WAIT_S at most: a task whose Redis
+    command swallowed the cancellation (redis-py's asyncio client, waiting on a BLPOP, can keep
+    waiting after it) must not hold the process's shutdown for ever. What is still running then is
+    left to the closing of the Redis clients, which ends its command."""
+    for task in tasks:
+        task.cancel()
+    done, pending = await asyncio.wait(tasks, timeout=STOP_WAIT_S)
+    for task in done:
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("background task %s ended with %r", task.get_name(), task.exception())
+    if pending:
+        log.warning("%d background task(s) did not stop within %.0f s of the shutdown; closing Redis under them",
+                    len(pending), STOP_WAIT_S)
+
+
 async def _cleanup_forever(retention: Retention, interval_s: float) -> None:
     """Retention in the background: every API process tries each interval, one (a Redis lock) runs it,
     over every project's jobs (the API process's default sees none: core/access/projects.py)."""
@@ -67,6 +95,7 @@ async def _cleanup_forever(retention: Retention, interval_s: float) -> None:
             with acting_everywhere():  # the thread-pool call copies this context
                 await run_in_threadpool(retention.run_if_due)
         except Exception as exc:
+            _stop_if_cancelled()
             # The reason on the ERROR line itself (a log reader without tracebacks sees it); the trace after.
             log.exception("the retention cleanup failed (%s: %s); it runs again in %.0f s", type(exc).__name__,
                           str(exc).splitlines()[0] if str(exc) else "no message", min(interval_s, CLEANUP_RETRY_S))
@@ -83,12 +112,24 @@ async def _advance_sweeps_forever(services: Services, interval_s: float) -> None
             with acting_everywhere():
                 await run_in_threadpool(services.sweeps.advance_all)
         except Exception as exc:
+            _stop_if_cancelled()
             log.warning("advancing the sweeps failed (%s: %s); trying again in %.1f s", type(exc).__name__, exc,
                         interval_s)
         try:
-            await services.aredis.blpop([keys.SWEEPS_NUDGE], timeout=interval_s)
+            await _nudge_or_tick(services.aredis, interval_s)
         except redis.RedisError:
+            _stop_if_cancelled()
             await asyncio.sleep(interval_s)
+
+
+async def _nudge_or_tick(client: Any, interval_s: float) -> None:
+    """Wait for a worker's nudge, `interval_s` at most. The BLPOP runs in a task of its own that a
+    shutdown never cancels (the shield): cancelled mid-command, redis-py's asyncio client could keep
+    waiting after the cancellation, and the app's shutdown with it. Left alone, it ends by its own
+    timeout, or with the client's closing, its outcome read so nothing is logged as lost."""
+    nudge = asyncio.ensure_future(client.blpop([keys.SWEEPS_NUDGE], timeout=interval_s))
+    nudge.add_done_callback(lambda done: done.cancelled() or done.exception())
+    await asyncio.shield(nudge)
 
 
 class TorchyardApp(FastAPI):
@@ -149,10 +190,7 @@ def create_app(settings: Settings | None = None) -> TorchyardApp:
         try:
             yield
         finally:
-            for task in (cleanup, sweeping):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+            await _stop_tasks((cleanup, sweeping))
             await app.state.services.close()
             restore_default(process_default)
 
