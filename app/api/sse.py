@@ -64,10 +64,16 @@ async def _read_events(client: aioredis.Redis, record: str, stream: str, cursor:
         batch = await client.xread({stream: cursor}, count=100)
         if not batch:
             if await client.hget(record, status_field) in _TERMINAL:
-                return  # the terminal event was sent before this client's Last-Event-ID
-            batch = await client.xread({stream: cursor}, block=BLOCK_MS, count=100)
-            if not batch:
-                continue
+                # The terminal status and its event are written in one transaction, so the event is
+                # in the stream by now: it may have landed between the read above and this one (the
+                # stream then ended without it, a race a client reconnecting near the end lost).
+                batch = await client.xread({stream: cursor}, count=100)
+                if not batch:
+                    return  # the terminal event was sent before this client's Last-Event-ID
+            else:
+                batch = await client.xread({stream: cursor}, block=BLOCK_MS, count=100)
+                if not batch:
+                    continue
         for event_id, fields in batch[0][1]:
             cursor = event_id
             yield ServerSentEvent(fields["data"], event=fields["event"], id=event_id)
