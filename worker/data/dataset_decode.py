@@ -161,6 +161,8 @@ def _decode_chunks(files: list[str], indices: list[int], spec: InputSpec, worker
                         broken = True
                         continue
                     _store(files, chunk, arrays, errors, images, readable)
+            if broken:  # its clean-up could wait for ever on a process it started late (kill_processes)
+                forkserver.kill_processes(pool)
     return sorted(lost)
 
 
@@ -176,6 +178,7 @@ def _decode_one_by_one(files: list[str], indices: list[int], spec: InputSpec, ni
                 try:
                     arrays, errors = pool.submit(decode_chunk, [files[index]], spec).result()
                 except BrokenProcessPool:
+                    forkserver.kill_processes(pool)
                     crashed += 1
                     log.warning("skipping %s: its decoding process died", files[index])
                     if crashed > MAX_CRASHES:

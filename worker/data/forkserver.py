@@ -31,6 +31,10 @@ import sys
 import threading
 import time
 from multiprocessing.context import BaseContext
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from concurrent.futures import ProcessPoolExecutor
 
 # The modules whose functions run in the server's children: imported by the server, once.
 DECODING_MODULES = ("worker.data.dataset_decode", "worker.serving.decode_processes")
@@ -88,3 +92,20 @@ def _exit_after(pid: int) -> None:
                 os.kill(pid, 0)
                 time.sleep(1.0)
     os._exit(1)
+
+
+def kill_processes(pool: ProcessPoolExecutor) -> None:
+    """SIGKILL every process of `pool`, started or starting. For a pool that broke, before its
+    shutdown: the executor's own clean-up SIGTERMs the processes it knows of and then waits for each
+    for ever, which hangs on a stopped process (SIGTERM waits for a SIGCONT), and on one that
+    `submit` started while the clean-up ran (Python 3.11 spawns on demand, from the submitting
+    thread): that one is never terminated, takes a chunk from the call queue and blocks writing its
+    result to a pipe nobody reads any more (a dataset's decode hung so in a full test run)."""
+    kill_workers = getattr(pool, "kill_workers", None)  # Python 3.14 and later
+    if kill_workers is not None:
+        with contextlib.suppress(Exception):
+            kill_workers()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):  # named nowhere public before 3.14
+        with contextlib.suppress(Exception):
+            process.kill()

@@ -31,7 +31,6 @@ hold its chunk, and the batches behind it, for ever. Both are handled wherever t
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -220,12 +219,5 @@ class DecodeProcesses:
 def _end(pool: ProcessPoolExecutor) -> None:
     """Kill `pool`'s processes and let it go. SIGKILL, since a stopped process ignores anything less
     (the pool's own clean-up sends SIGTERM and then waits for each, for ever on a stopped one)."""
-    kill_workers = getattr(pool, "kill_workers", None)  # Python 3.14 and later
-    if kill_workers is not None:
-        with contextlib.suppress(Exception):
-            kill_workers()
-    else:  # the executor names its processes nowhere public before 3.14
-        for process in list((getattr(pool, "_processes", None) or {}).values()):
-            with contextlib.suppress(Exception):
-                process.kill()
+    forkserver.kill_processes(pool)
     pool.shutdown(wait=False, cancel_futures=True)

@@ -28,8 +28,9 @@ from tests.datagen import (
     write_mnist,
     write_photo_set,
 )
+from worker.data.dataset_decode import DecodedFiles, decode_files
 from worker.data.datasets import CacheWriter, DatasetUnavailable, load_fake, load_image_folder, load_torchvision, split
-from worker.data.image_array import TRANSFORM_VERSION
+from worker.data.image_array import TRANSFORM_VERSION, InputSpec
 
 LIMITS = ArchiveLimits(max_entries=10_000, max_uncompressed_bytes=10**9, max_ratio=200.0, max_image_pixels=10**7)
 
@@ -189,3 +190,42 @@ def test_a_decoding_process_killed_mid_set_costs_nothing(tmp_path: Path, caplog:
     assert any("a decoding process died" in r.getMessage() for r in caplog.records)
     assert not any(r.getMessage().startswith("skipping") for r in caplog.records)
     assert np.array_equal(data.images.numpy(), one_by_one(files, 3, 224, 224))
+
+
+def test_a_pool_that_breaks_beside_a_stopped_process_does_not_hang(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """One decoding process SIGKILLed while the other is SIGSTOPped: the executor's own clean-up
+    SIGTERMs the stopped one and waits for it for ever (a stopped process acts on nothing but
+    SIGKILL and SIGCONT); the broken pool's processes are killed instead, and every file is in
+    the set."""
+    files = write_photo_set(tmp_path / "ds", per_class=60)
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    faults: list[str] = []
+
+    def stop_one_kill_another() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with contextlib.suppress(psutil.Error):
+                new = [p for p in me.children(recursive=True) if p.pid not in before and p.ppid() != me.pid]
+                if len(new) >= 2:
+                    new[0].suspend()
+                    faults.append("stopped")
+                    new[1].kill()
+                    faults.append("killed")
+                    return
+            time.sleep(0.002)
+
+    decoded: list[DecodedFiles] = []
+    fault = threading.Thread(target=stop_one_kill_another)
+    decode = threading.Thread(target=lambda: decoded.append(decode_files(files, InputSpec(3, 64, 64), workers=2)),
+                              daemon=True)
+    with caplog.at_level(logging.WARNING, logger="worker.data.dataset_decode"):
+        fault.start()
+        decode.start()
+        fault.join()
+        decode.join(timeout=120)
+    assert faults == ["stopped", "killed"], "two decoding processes were not seen"
+    assert not decode.is_alive(), "the decode hung on its broken pool"
+    assert any("a decoding process died" in r.getMessage() for r in caplog.records)
+    assert np.array_equal(decoded[0].images, one_by_one(files, 3, 64, 64))
