@@ -42,16 +42,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from socket import socket
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.supervisors.multiprocess import Multiprocess
 
+from app.corked import CorkedTransport
 from app.process import die_with_parent
 from core.config import Settings, get_settings
 
 if TYPE_CHECKING:
+    import asyncio
+
     from fastapi import FastAPI
 
 log = logging.getLogger("torchyard.api")
@@ -111,7 +114,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     # -------------------------------------------------------------- connection
     def connection_made(self, transport: Any) -> None:
-        super().connection_made(transport)
+        # A response in one write (app/corked.py); it delegates what it does not hold to the transport.
+        super().connection_made(cast("asyncio.Transport", CorkedTransport(transport, self.loop)))
         peer = self.client[0] if self.client else None
         if len(self.connections) > self._limits.max_connections:
             self._refuse(503, "Service Unavailable", f"the server has {self._limits.max_connections} connections "

@@ -1,7 +1,7 @@
 """Instructions the API process spends per /predict request, counted by callgrind.
 
     flock /tmp/torchyard-bench.lock .venv/bin/python bench/api_instructions.py [--requests 1024]
-        [--compare REF] [--write-docs]
+        [--compare REF [--compare-without MODULE]] [--write-docs]
 
 Why instructions: the CPU-time tables of bench/predict.py move by a third from one run to the next
 on this shared 2-core host (the same API measured 0.39 and 0.59 ms per request in two runs ten
@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 
 from bench.docs import write_section  # noqa: E402 (after the sys.path entry above)
 from bench.floors import make_checkpoint  # noqa: E402
-from bench.harness import multipart_request  # noqa: E402
+from bench.harness import hiding, multipart_request  # noqa: E402
 from bench.peers import EMPTY_APP  # noqa: E402
 from bench.predict import sample_png  # noqa: E402
 from harness import end_group, spawn, wait_http  # noqa: E402
@@ -97,7 +97,8 @@ def count(proc: subprocess.Popen, out: Path, send: Callable[[], int]) -> tuple[i
     raise TimeoutError(f"callgrind wrote no dump under {out}")
 
 
-def measure_torchyard(tree: Path, work: Path, requests: int) -> dict[int, float]:
+def measure_torchyard(tree: Path, work: Path, requests: int, hide: tuple[str, ...] = ()) -> dict[int, float]:
+    """The API of checkout `tree` (without the modules in `hide`: bench/harness.hiding) under callgrind."""
     import redis
 
     from app.embedded_redis import EmbeddedRedis
@@ -116,8 +117,9 @@ def measure_torchyard(tree: Path, work: Path, requests: int) -> dict[int, float]
     api = None
     try:
         procs.worker("cpu")
+        hidden = {"PYTHONPATH": hiding(work, list(hide))} if hide else {}
         api = callgrind([sys.executable, "-m", "app.cli", "api"], work / "api.cg", tree,
-                        {**procs.env, "TORCHYARD_PORT": str(port)}, work / "logs" / "api-callgrind.log")
+                        {**procs.env, "TORCHYARD_PORT": str(port), **hidden}, work / "logs" / "api-callgrind.log")
         wait_http(port, "/readyz", timeout=600)
         request = multipart_request(port, "/predict", sample_png(), {"job_id": job_id, "top_k": "5"})
         found = {}
@@ -191,6 +193,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=1024, help="measured requests per cell")
     parser.add_argument("--compare", metavar="REF", help="also measure the API of this git revision")
+    parser.add_argument("--compare-without", action="append", default=[], metavar="MODULE",
+                        help="a module the --compare API cannot import (a dependency added since it: hiredis)")
     parser.add_argument("--write-docs", action="store_true", help="replace the api-instructions section of "
                                                                   "docs/benchmarks.md")
     args = parser.parse_args()
@@ -200,12 +204,14 @@ def main() -> None:
             label = subprocess.run(["git", "rev-parse", "--short", args.compare], cwd=REPO, check=True,
                                    capture_output=True, text=True).stdout.strip()
             name = f"`{label}`" if label.startswith(args.compare) else f"`{label}` ({args.compare})"
-            rows.append((name, measure_torchyard(tree, Path(tempfile.mkdtemp()), args.requests)))
+            rows.append((name, measure_torchyard(tree, Path(tempfile.mkdtemp()), args.requests,
+                                                    tuple(args.compare_without))))
     rows.append(("this tree", measure_torchyard(REPO, Path(tempfile.mkdtemp()), args.requests)))
     empty = measure_empty(Path(tempfile.mkdtemp()), args.requests)
     text = report(rows, empty, args.requests)
     command = "flock /tmp/torchyard-bench.lock .venv/bin/python bench/api_instructions.py" + (
-        f" --compare {args.compare}" if args.compare else "")
+        f" --compare {args.compare}" if args.compare else "") + "".join(f" --compare-without {m}"
+                                                                        for m in args.compare_without)
     print(text)
     if args.write_docs:
         write_section("api-instructions", "API instructions per prediction", f"Command: `{command}`\n\n{text}")

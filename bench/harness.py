@@ -185,3 +185,14 @@ def machine(torch_threads: bool = False, gpu: bool = False) -> str:
 
 def load_average() -> float:
     return os.getloadavg()[0]
+
+
+def hiding(work: Path, modules: list[str]) -> str:
+    """A directory that, first on a side's PYTHONPATH, makes `import M` fail for each of `modules`:
+    the side runs as it did before it depended on them (redis-py, for one, uses hiredis when it can
+    import it), though this checkout's environment has them."""
+    path = work / f"hidden-{'-'.join(modules)}"
+    for module in modules:
+        (path / module).mkdir(parents=True, exist_ok=True)
+        (path / module / "__init__.py").write_text(f"raise ImportError({module + ' hidden by the bench'!r})\n")
+    return str(path)

@@ -2,7 +2,8 @@
 spend on a request beyond its image's decode and its share of the forward, and, with `--against`,
 the same figures of another commit's service measured in the same run, interleaved.
 
-    flock /tmp/torchyard-bench.lock .venv/bin/python bench/service_cost.py [--against REV] [--rounds 3]
+    flock /tmp/torchyard-bench.lock .venv/bin/python bench/service_cost.py [--against REV
+        [--against-without MODULE]] [--rounds 3]
 
 One checkpoint (cifar_net, untrained weights: bench/floors.make_checkpoint), one embedded Redis, one
 CPU worker and the API with its default processes, started afresh for every side of every round,
@@ -38,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 # after the sys.path entry above
 from bench.floors import make_checkpoint  # noqa: E402
-from bench.harness import fresh_json, load, load_average, machine, multipart_request  # noqa: E402
+from bench.harness import fresh_json, hiding, load, load_average, machine, multipart_request  # noqa: E402
 from bench.photo_data import sample_jpeg  # noqa: E402
 from bench.predict import HEARTBEAT_S, batch_histogram, sample_png  # noqa: E402
 
@@ -83,8 +84,10 @@ def remove_checkout(path: Path) -> None:
     subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)], capture_output=True)
 
 
-def measure_side(root: Path, work: Path, checkpoint_job: str, concurrency: int, seconds: float) -> dict[str, Any]:
-    """The service of checkout `root` on `work`'s data: every image kind at `concurrency` clients."""
+def measure_side(root: Path, work: Path, checkpoint_job: str, concurrency: int, seconds: float,
+                 hide: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The service of checkout `root` on `work`'s data: every image kind at `concurrency` clients,
+    without the modules in `hide`."""
     import httpx
     import redis
 
@@ -98,7 +101,8 @@ def measure_side(root: Path, work: Path, checkpoint_job: str, concurrency: int, 
     url = with_db(server.url, 0)
     redis.Redis.from_url(url).hset(keys.job(checkpoint_job), mapping={"id": checkpoint_job, "status": "succeeded"})
     env = {**os.environ, "TORCHYARD_REDIS_URL": url, "TORCHYARD_DATA_DIR": str(work / "data"), "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(root), "TORCHYARD_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S), "TORCHYARD_HEARTBEAT_TTL_S": "5"}
+           "PYTHONPATH": os.pathsep.join([*([hiding(work, list(hide))] if hide else []), str(root)]),
+           "TORCHYARD_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_S), "TORCHYARD_HEARTBEAT_TTL_S": "5"}
     env.pop("TORCHYARD_API_KEY", None)
     env.pop("TORCHYARD_API_WORKERS", None)  # the API's default processes
     port = free_port()
@@ -145,7 +149,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for number in range(args.rounds):
             order = list(sides) if number % 2 == 0 else list(reversed(sides))
-            measured = {side: measure_side(sides[side], work, job_id, args.concurrency, args.seconds) for side in order}
+            measured = {side: measure_side(sides[side], work, job_id, args.concurrency, args.seconds,
+                                           tuple(args.against_without) if side == "against" else ())
+                        for side in order}
             rounds.append(measured)
             print(f"round {number + 1}: {json.dumps(measured)}", file=sys.stderr)
     finally:
@@ -168,7 +174,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(args: argparse.Namespace, result: dict[str, Any], load_before: float) -> str:
     lines = [f"Command: `bench/service_cost.py --rounds {args.rounds} --seconds {args.seconds:g} "
-             f"--concurrency {args.concurrency}" + (f" --against {args.against}`" if args.against else "`"),
+             f"--concurrency {args.concurrency}" + (f" --against {args.against}" if args.against else "")
+             + "".join(f" --against-without {m}" for m in args.against_without) + "`",
              f"Host: {machine()}; load average (1 min) {load_before:.1f} before, {load_average():.1f} after.", "",
              "| side | image | own CPU per request (median; each round) | API | Redis | worker | client | img/s | "
              "mean batch |", "|---|---|---|---|---|---|---|---|---|"]
@@ -191,6 +198,8 @@ def report(args: argparse.Namespace, result: dict[str, Any], load_before: float)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", help="a commit whose service is measured beside this checkout's")
+    parser.add_argument("--against-without", action="append", default=[], metavar="MODULE",
+                        help="a module the --against side cannot import (a dependency added since it: hiredis)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=4.0, help="measured seconds per cell")
     parser.add_argument("--concurrency", type=int, default=32)
