@@ -105,14 +105,22 @@ def test_devices_held_are_given_back_when_the_holder_is_sigkilled(cluster: dict)
 
 
 def test_device_seconds_per_day_holds_starts_and_refuses_new_jobs_until_the_next_utc_day(cluster: dict) -> None:
-    """One job at a time (running_jobs = 1, or the one worker the previous test left): once the
-    first has used the day's device-second, the second waits for the next UTC day."""
-    team = _team(cluster, "daily", {"device_seconds_per_day": 1, "running_jobs": 1})
-    jobs = [submit_cifar(team, 1, batch_size=8), submit_cifar(team, 1, batch_size=8)]
-    first = wait_until(lambda: next((j for j in jobs if get_job(team, j)["status"] == "running"), None),
-                       timeout=300, what="a job running")
-    second = next(j for j in jobs if j != first)
-    wait_until(lambda: get_job(team, first)["status"] in TERMINAL, timeout=600, what="the first job to end")
+    """One job at a time (running_jobs = 1): a long first job runs, a second waits behind it, the
+    admin sets the day's quota of one device-second, and once the project's tally shows it used
+    the first is cancelled; the second now waits for the next UTC day. (A 1-epoch first job can
+    end in under a second on a fast host, and then the second rightly starts: the long job and
+    the cancel make the test hold on any host's speed.)"""
+    team = _team(cluster, "daily", {"running_jobs": 1})
+    first = submit_cifar(team, 50, batch_size=8)
+    wait_until(lambda: get_job(team, first)["status"] == "running", timeout=300, what="the first job running")
+    second = submit_cifar(team, 1, batch_size=8)
+    daily = {"device_seconds_per_day": 1, "running_jobs": 1}
+    assert cluster["client"].put("/projects/daily", json=daily).status_code == 200
+    wait_until(lambda: team.get("/projects/daily").json()["usage"]["device_seconds_today"] >= 1.5, timeout=300,
+               what="the first job to use the day's device-second")
+    assert get_job(team, second)["status"] == "queued"
+    assert team.post(f"/jobs/{first}/cancel").status_code == 202
+    wait_until(lambda: get_job(team, first)["status"] in TERMINAL, timeout=120, what="the first job to end")
     wait_until(lambda: "device_seconds_per_day = 1" in (get_job(team, second)["message"] or ""), timeout=60,
                what="the second job held for the day's device-seconds")
     assert get_job(team, second)["status"] == "queued"
