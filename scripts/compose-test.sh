@@ -352,7 +352,7 @@ done_step
 # --------------------------------------------------------------------------------------------
 step walk "the HTTP walk and the fault drills (scripts/compose_walk.py)"
 read -r -a drills <<<"${COMPOSE_TEST_DRILLS:-}"  # a subset while debugging, e.g. "walk stop"
-"$PYTHON" scripts/compose_walk.py --url "http://127.0.0.1:$TORCHYARD_PORT" --api-key "$TORCHYARD_API_KEY" \
+"$PYTHON" scripts/compose_walk.py --url "http://127.0.0.1:$TORCHYARD_PORT" --api-key="$TORCHYARD_API_KEY" \
     --node-name "$TORCHYARD_NODE_NAME" --compose-bin "$COMPOSE_BIN" --compose-file "$COMPOSE_FILE_PATH" \
     --project "$PROJECT" --summary "$LOG_DIR/walk.json" "${drills[@]}" ||
     fail "scripts/compose_walk.py failed (the FAILED line above says where)"
