@@ -141,16 +141,24 @@ class ModelCache:
 
 def _time_one_image(forward: ForwardGraph, meta: ModelMeta) -> float:
     """The fastest of a few one-image forwards on the calling thread (the intake thread, which runs
-    on one torch thread): how heavy the model is, for worker/device/cpu_threads.ForwardThreads. Stops
-    after ~50 ms of forwards, so a big model costs its load three forwards at most."""
+    on one torch thread): how heavy the model is, for worker/device/cpu_threads.ForwardThreads.
+
+    In the thread's CPU time, after one untimed forward: a model loads at its first request, often
+    under load, and on a busy host a wall-clock timing counts the time the thread waited for a core
+    (a scheduler's slice, or another thread's turn with the GIL, is milliseconds long): it took
+    cifar_net for a heavy model, whose forward then ran with an OpenMP team that spun a second core
+    away at every request (docs/benchmarks.md, "The service's own CPU per request"). The first
+    forward of a traced graph also runs slower than the rest.
+    Stops after ~50 ms of forwards, so a big model costs its load four forwards at most."""
     pre = meta.preprocessing
     image = torch.zeros((1, pre.channels, pre.height, pre.width), dtype=torch.uint8)
     fastest, spent = float("inf"), 0.0
     with torch.inference_mode(), torch.jit.optimized_execution(False):
+        forward.run(image)
         for _ in range(3):
-            started = time.perf_counter()
+            started = time.thread_time()
             forward.run(image)
-            took = time.perf_counter() - started
+            took = time.thread_time() - started
             fastest, spent = min(fastest, took), spent + took
             if spent > 0.05:
                 break

@@ -187,3 +187,33 @@ def test_a_light_models_forward_makes_no_team_and_a_heavy_ones_does(clean_redis_
             server.stop()
             server.join()
     assert created == {"light": 0, "light-configured": 1, "heavy": 1}
+
+
+def test_a_light_model_stays_light_when_loaded_beside_busy_threads(tmp_path) -> None:
+    """A model is timed as it loads, at its first request, often on a busy worker: here another
+    thread holds the GIL in 20 ms slices (as the worker's other Python threads do, on a loaded
+    host, for a scheduler's slice). Waiting for the GIL or a core is not the forward's cost: a
+    wall-clock timing took cifar_net for a heavy model, and its forward ran with an OpenMP team
+    that spun a core away at every request."""
+    import sys
+
+    paths = CheckpointPaths(tmp_path)
+    _save(paths, "job-a", 5)
+    stop = threading.Event()
+
+    def hold_the_gil() -> None:
+        while not stop.is_set():
+            pass
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.02)
+    busy = threading.Thread(target=hold_the_gil, daemon=True)
+    busy.start()
+    try:
+        one_image_s = run_in_own_thread(lambda: ModelCache(paths, "cpu", 2, 1 << 30).get("job-a").one_image_s, 1,
+                                        "loader")
+    finally:
+        stop.set()
+        busy.join()
+        sys.setswitchinterval(interval)
+    assert one_image_s is not None and one_image_s < HEAVY_FORWARD_S
