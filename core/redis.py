@@ -33,11 +33,22 @@ def connect(url: str, decode_responses: bool = True) -> redis.Redis:
                                 retry_on_error=[redis.ConnectionError])
 
 
-def connect_async(url: str) -> aioredis.Redis:
-    # The API's client rides out a Redis restart rather than failing the first request on each
-    # dead pooled connection (found by `make compose-test`: after `docker compose restart redis`
-    # an SSE stream or a /predict broke): a few retries, backed off up to 0.5 s.
+# Pooled connections an API process may hold beyond one per open HTTP connection: its background
+# tasks' (the engine's watcher, the sweeps' nudge wait, the devices' reads).
+BACKGROUND_CONNECTIONS = 64
+
+
+def connect_async(url: str, http_connections: int = 1024) -> aioredis.Redis:
+    """The API's client. It rides out a Redis restart rather than failing the first request on each
+    dead pooled connection (found by `make compose-test`: after `docker compose restart redis` an
+    SSE stream or a /predict broke): a few retries, backed off up to 0.5 s.
+
+    Its pool holds one connection per HTTP connection the process may have open (each has at most
+    one request in flight, which waits on at most one Redis command at a time) and the background
+    tasks': redis-py's asyncio pool defaults to 100 and refuses the 101st ("Too many connections"),
+    which 128 clients of one busy API process reached (a 503 for requests nobody refused)."""
     return aioredis.Redis.from_url(url, decode_responses=True, health_check_interval=30,
+                                   max_connections=http_connections + BACKGROUND_CONNECTIONS,
                                    retry=AsyncRetry(ExponentialBackoff(cap=0.5, base=RECONNECT_PAUSE_S), 3),
                                    retry_on_error=[redis.ConnectionError])
 

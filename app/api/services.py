@@ -55,7 +55,7 @@ class Services:
     @classmethod
     def build(cls, settings: Settings) -> Services:
         url = settings.resolved_redis_url()
-        client, aclient = connect(url), connect_async(url)
+        client, aclient = connect(url), connect_async(url, settings.max_connections)
         celery = create_celery(settings)
         jobs = JobStore(client, dispatcher(celery, client), lease_ttl_s=settings.lease_ttl_s,
                         max_attempts=settings.max_attempts, dispatch_grace_s=settings.dispatch_grace_s)

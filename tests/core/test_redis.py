@@ -69,3 +69,18 @@ def test_execute_once_sends_large_values_whole_and_survives_a_redis_restart(tmp_
         assert stored == [bytes(large), b"x", b"after"]
     finally:
         server.stop()
+
+
+def test_the_api_client_serves_more_concurrent_commands_than_redis_pys_default_pool(clean_redis_url: str) -> None:
+    """150 commands in flight at once on one API client, as 150 concurrent requests of one busy API
+    process have: each gets a connection (redis-py's asyncio pool refuses the 101st by default,
+    "Too many connections", which 128 /predict clients of one API process reached)."""
+
+    async def scenario() -> list[object]:
+        client = connect_async(clean_redis_url)
+        try:
+            return await asyncio.gather(*(client.blpop([f"nothing-{i}"], timeout=0.5) for i in range(150)))
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(scenario()) == [None] * 150
