@@ -4,7 +4,7 @@ The worker's replies stage (worker/serving/replies.py) RPUSHes what this one rea
 each holding a pooled connection while it waited (32 concurrent requests, 32 connections). Now a
 request registers a future under a fresh id and the worker RPUSHes the answers of a whole batch
 to this process's inbox in one call; the listener pops them in bulk (BLPOP and an LPOP of up to
-`DRAIN` more, in one pipeline, fewer instructions per prediction even at one client:
+`DRAIN` more, in one write, fewer instructions per prediction even at one client:
 bench/api_instructions.py, docs/benchmarks.md) and resolves the futures.
 
 A request's wait is bounded by a timer of the loop's that fails its future with TimeoutError
@@ -26,12 +26,14 @@ import redis
 import redis.asyncio as aioredis
 
 from core import keys
+from core.redis import RECONNECT_PAUSE_S
 from core.wire import MalformedMessage, PredictReply
 
 log = logging.getLogger(__name__)
 
 DRAIN = 512  # answers popped per call after the first: a batch's worth and more
 BLOCK_S = 1.0  # how long one BLPOP waits: bounds how late the listener sees a stop
+RETRIES = 3  # reconnections before the waiting requests are failed (the client's own retry: core/redis.py)
 
 
 class ReplyInbox:
@@ -72,33 +74,46 @@ class ReplyInbox:
                 await asyncio.wait_for(listener, BLOCK_S + 1)
 
     async def _listen(self) -> None:
-        while not self._closing:
-            try:
-                # BLPOP and an LPOP of what queued beside it, pipelined: Redis runs the LPOP as soon as
-                # the BLPOP returns, so a lone answer costs one round trip and a batch's are taken whole.
-                pipe = self.redis.pipeline(transaction=False)
-                pipe.blpop([self.key], timeout=BLOCK_S)
-                pipe.lpop(self.key, DRAIN)
-                first, rest = await pipe.execute()
-                raw = ([first[1]] if first is not None else []) + (rest or [])
-            except redis.RedisError as exc:
-                if self._closing:
-                    return
-                self._fail_all(exc)
-                await asyncio.sleep(0.2)
-                continue
-            for item in raw:
+        # BLPOP and an LPOP of what queued beside it, in one write on a connection of the listener's
+        # own, packed once: Redis runs the LPOP as soon as the BLPOP returns, so a lone answer costs
+        # one round trip and a batch's are taken whole. Not redis-py's pipeline: building one per
+        # call, its retry wrapper and its per-command reply callbacks were a large share of this
+        # process's Python time at one client (docs/benchmarks.md).
+        connection = self.redis.connection_pool.make_connection()
+        packed = connection.pack_commands([("BLPOP", self.key, BLOCK_S), ("LPOP", self.key, DRAIN)])
+        failures = 0
+        try:
+            while not self._closing:
                 try:
-                    request_id, reply = PredictReply.decode_addressed(item)
-                except MalformedMessage as exc:
-                    log.warning("dropped a malformed reply (%s)", exc)
+                    await connection.send_packed_command(packed, check_health=False)
+                    first, rest = await connection.read_response(), await connection.read_response()
+                    raw = ([first[1]] if first is not None else []) + (rest or [])
+                    failures = 0
+                except redis.RedisError as exc:
+                    await connection.disconnect(nowait=True)  # whatever it was in the middle of
+                    if self._closing:
+                        return
+                    failures += 1
+                    if failures <= RETRIES:  # a Redis restart: reconnect, as the client's own retry does
+                        await asyncio.sleep(RECONNECT_PAUSE_S * 2 ** (failures - 1))
+                        continue
+                    self._fail_all(exc)
+                    await asyncio.sleep(0.2)
                     continue
-                waiting = self._waiting.pop(request_id, None)
-                if waiting is not None:
-                    future, timer = waiting
-                    timer.cancel()
-                    if not future.done():
-                        future.set_result(reply)
+                for item in raw:
+                    try:
+                        request_id, reply = PredictReply.decode_addressed(item)
+                    except MalformedMessage as exc:
+                        log.warning("dropped a malformed reply (%s)", exc)
+                        continue
+                    waiting = self._waiting.pop(request_id, None)
+                    if waiting is not None:
+                        future, timer = waiting
+                        timer.cancel()
+                        if not future.done():
+                            future.set_result(reply)
+        finally:  # stopped (closing or cancelled): the listener's connection goes with it
+            await asyncio.shield(connection.disconnect(nowait=True))
 
     def _fail_all(self, exc: Exception) -> None:
         waiting, self._waiting = self._waiting, {}
