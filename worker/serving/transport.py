@@ -191,7 +191,4 @@ class Transport:
         self.send(replies)
 
     def send_preload_reply(self, preload: PreloadRequest, reply: PredictReply) -> None:
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.rpush(preload.reply_to, reply.encode())
-        pipe.expire(preload.reply_to, REPLY_TTL_S)
-        pipe.execute()
+        self.writer.send({preload.reply_to: [reply.encode()]})
